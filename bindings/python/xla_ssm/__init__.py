@@ -1,0 +1,18 @@
+"""xla_ssm: state-space-model kernels (Mamba selective scan) as XLA FFI targets, for JAX.
+
+The shared library ``libxla_ssm.so`` is looked for in ``$XLA_SSM_LIBRARY``, then next to this
+package, then in ``<repo>/target/release``; it is loaded and its targets registered with
+``jax.ffi`` on first use (or by calling :func:`load`).
+"""
+
+from ._lib import library_path, load, registered_platforms
+from ._selective_scan import selective_scan_fwd, selective_scan_ref
+
+__all__ = [
+    "library_path",
+    "load",
+    "registered_platforms",
+    "selective_scan_fwd",
+    "selective_scan_ref",
+]
+__version__ = "0.1.0"

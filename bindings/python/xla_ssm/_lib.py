@@ -1,0 +1,90 @@
+"""Finding, loading and registering ``libxla_ssm.so`` (once per process)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import jax
+
+LIBRARY_ENV = "XLA_SSM_LIBRARY"
+LIBRARY_NAME = "libxla_ssm.so"
+
+# (XLA target name, exported symbol prefix): the handlers are `<prefix>_cpu` / `<prefix>_cuda`.
+TARGETS = ("xla_ssm_selective_scan_fwd",)
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_path: Path | None = None
+_platforms: dict[str, tuple[str, ...]] = {}
+
+
+def candidate_paths() -> list[Path]:
+    """Where the library is looked for, in order."""
+    env = os.environ.get(LIBRARY_ENV)
+    if env:
+        # An explicit choice: never fall back silently to another build.
+        return [Path(env).expanduser()]
+    here = Path(__file__).resolve().parent
+    paths = [here / LIBRARY_NAME]
+    # bindings/python/xla_ssm/_lib.py -> repository root is three levels up from the package dir.
+    repo = here.parents[2]
+    paths.append(repo / "target" / "release" / LIBRARY_NAME)
+    return paths
+
+
+def library_path() -> Path:
+    """The path of the loaded library, or of the one that would be loaded; raises if none is found."""
+    return _path if _path is not None else find_library()
+
+
+def find_library() -> Path:
+    """Search `candidate_paths()`; raise FileNotFoundError naming every place looked in."""
+    tried = candidate_paths()
+    for p in tried:
+        if p.is_file():
+            return p
+    where = "\n".join(f"  - {p}" for p in tried)
+    hint = (
+        f"{LIBRARY_ENV} is set but names no file"
+        if os.environ.get(LIBRARY_ENV)
+        else f"build it with `cargo build --release` or set {LIBRARY_ENV}=/path/to/{LIBRARY_NAME}"
+    )
+    raise FileNotFoundError(f"xla_ssm: cannot find {LIBRARY_NAME}; looked in:\n{where}\n({hint})")
+
+
+def load() -> ctypes.CDLL:
+    """Load the library and register every target it exports, once."""
+    global _lib, _path
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        path = library_path()
+        lib = ctypes.CDLL(str(path))
+        for target in TARGETS:
+            done = []
+            cpu = getattr(lib, target + "_cpu", None)
+            if cpu is None:
+                raise OSError(f"xla_ssm: {path} does not export {target}_cpu")
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(cpu), platform="cpu")
+            done.append("cpu")
+            # Absent when the library was built with --no-default-features (no CUDA).
+            # Registering for CUDA is harmless where jax has no GPU backend.
+            cuda = getattr(lib, target + "_cuda", None)
+            if cuda is not None:
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(cuda), platform="CUDA")
+                done.append("CUDA")
+            _platforms[target] = tuple(done)
+        _path = path
+        _lib = lib
+        return lib
+
+
+def registered_platforms(target: str = "xla_ssm_selective_scan_fwd") -> tuple[str, ...]:
+    """Platforms the target was registered for (loads the library if needed)."""
+    load()
+    return _platforms[target]

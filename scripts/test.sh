@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Every check CI runs: formatting, clippy, cargo tests, and the JAX tests against the release library.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+section() { printf '\n==== %s\n' "$*"; }
+
+section "setup"
+bash scripts/setup.sh
+# shellcheck source=scripts/env.sh
+. scripts/env.sh
+
+section "cargo fmt --check"
+cargo fmt --check
+
+section "cargo clippy --release --all-targets -- -D warnings"
+cargo clippy --release --all-targets -- -D warnings
+
+section "cargo test --release"
+cargo test --release
+
+section "cargo build --release (the library pytest loads)"
+cargo build --release
+
+section "pytest tests/python"
+export XLA_SSM_LIBRARY="$PWD/target/release/libxla_ssm.so"
+export PYTHONPATH="$PWD/bindings/python${PYTHONPATH:+:$PYTHONPATH}"
+python -m pytest tests/python -q -ra
+
+section "all tests passed"

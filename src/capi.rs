@@ -1,0 +1,207 @@
+//! The plain C API (`include/xla_ssm.h`) for hosts without XLA: the same validation and kernels as
+//! the XLA targets, on host pointers (`*_host`) or device pointers and a `CUstream` (`*_cuda_launch`).
+//! Every function returns an [`XlaSsmStatus`]; on failure [`xla_ssm_last_error`] tells why.
+
+use crate::error::Error;
+use crate::ops::selective_scan::{run_fwd, validate_fwd, FwdArgs, Layout};
+use crate::ops::{Platform, Tensor};
+use crate::DType;
+use std::cell::RefCell;
+use std::ffi::{c_char, c_void, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// Status codes returned by every function of the C API.
+pub type XlaSsmStatus = i32;
+pub const XLA_SSM_OK: XlaSsmStatus = 0;
+pub const XLA_SSM_INVALID_ARGUMENT: XlaSsmStatus = 1;
+pub const XLA_SSM_CUDA_ERROR: XlaSsmStatus = 2;
+pub const XLA_SSM_UNIMPLEMENTED: XlaSsmStatus = 3;
+pub const XLA_SSM_INTERNAL: XlaSsmStatus = 4;
+
+/// Largest `dstate` the selective scan supports.
+pub const XLA_SSM_MAX_DSTATE: i64 = 256;
+const _: () = assert!(XLA_SSM_MAX_DSTATE == crate::ops::selective_scan::MAX_DSTATE);
+
+/// Element types.
+pub type XlaSsmDtype = i32;
+pub const XLA_SSM_F32: XlaSsmDtype = 0;
+pub const XLA_SSM_BF16: XlaSsmDtype = 1;
+pub const XLA_SSM_F16: XlaSsmDtype = 2;
+
+/// Layouts of u, delta, z, out (and time-varying B, C).
+pub type XlaSsmLayout = i32;
+/// u: (batch, dim, seqlen); B, C: (batch, groups, dstate, seqlen).
+pub const XLA_SSM_LAYOUT_BDL: XlaSsmLayout = 0;
+/// u: (batch, seqlen, dim); B, C: (batch, seqlen, groups, dstate).
+pub const XLA_SSM_LAYOUT_BLD: XlaSsmLayout = 1;
+
+/// Arguments of the forward selective scan (docs/selective_scan_fwd.md). Dense row-major arrays;
+/// optional pointers may be NULL.
+#[repr(C)]
+pub struct XlaSsmSelectiveScanFwdArgs {
+    pub batch: i64,
+    pub dim: i64,
+    pub seqlen: i64,
+    /// 0..=256.
+    pub dstate: i64,
+    /// Groups of time-varying B/C (must divide dim); 0 means B and C are time-invariant (dim, dstate).
+    pub groups: i64,
+    /// dtype of u, delta, z and out.
+    pub dtype: XlaSsmDtype,
+    /// dtype of B and C: XLA_SSM_F32 or `dtype`.
+    pub bc_dtype: XlaSsmDtype,
+    pub layout: XlaSsmLayout,
+    pub delta_softplus: bool,
+    pub u: *const c_void,
+    pub delta: *const c_void,
+    /// (dim, dstate) f32.
+    pub a: *const f32,
+    pub b: *const c_void,
+    pub c: *const c_void,
+    /// (dim) f32, optional.
+    pub d: *const f32,
+    /// like u, optional.
+    pub z: *const c_void,
+    /// (dim) f32, optional.
+    pub delta_bias: *const f32,
+    /// (batch, dim, dstate) f32, optional.
+    pub initial_state: *const f32,
+    /// like u.
+    pub out: *mut c_void,
+    /// (batch, dim, dstate) f32.
+    pub final_state: *mut f32,
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_last_error(msg: &str) {
+    let msg = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = msg);
+}
+
+/// The message of the last failed call on this thread ("" if none); valid until the next call.
+#[no_mangle]
+pub extern "C" fn xla_ssm_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+/// The library version, e.g. "0.1.0".
+#[no_mangle]
+pub extern "C" fn xla_ssm_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr() as *const c_char
+}
+
+/// Number of usable CUDA devices (0 when the driver is missing or the build has no CUDA).
+#[no_mangle]
+pub extern "C" fn xla_ssm_cuda_device_count() -> i32 {
+    #[cfg(feature = "cuda")]
+    {
+        catch_unwind(crate::cuda::device_count).unwrap_or(0) as i32
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        0
+    }
+}
+
+fn status_of(result: std::thread::Result<crate::error::Result<()>>) -> XlaSsmStatus {
+    let err = match result {
+        Ok(Ok(())) => {
+            set_last_error("");
+            return XLA_SSM_OK;
+        }
+        Ok(Err(e)) => e,
+        Err(_) => Error::Internal("xla_ssm panicked (see stderr)".into()),
+    };
+    set_last_error(err.message());
+    match err {
+        Error::InvalidArgument(_) => XLA_SSM_INVALID_ARGUMENT,
+        Error::Cuda(_) => XLA_SSM_CUDA_ERROR,
+        Error::Unimplemented(_) => XLA_SSM_UNIMPLEMENTED,
+        Error::Internal(_) => XLA_SSM_INTERNAL,
+    }
+}
+
+fn dtype_of(code: XlaSsmDtype, field: &str) -> crate::error::Result<DType> {
+    match code {
+        XLA_SSM_F32 => Ok(DType::F32),
+        XLA_SSM_BF16 => Ok(DType::BF16),
+        XLA_SSM_F16 => Ok(DType::F16),
+        other => Err(Error::invalid(format!("selective_scan_fwd: `{field}`: unknown dtype code {other}"))),
+    }
+}
+
+fn fwd(args: *const XlaSsmSelectiveScanFwdArgs, platform: Platform) -> crate::error::Result<()> {
+    // SAFETY: the caller passes a valid struct (or NULL, refused here).
+    let a = unsafe { args.as_ref() }.ok_or_else(|| Error::invalid("selective_scan_fwd: args is NULL"))?;
+    let dtype = dtype_of(a.dtype, "dtype")?;
+    let bc_dtype = dtype_of(a.bc_dtype, "bc_dtype")?;
+    let layout = match a.layout {
+        XLA_SSM_LAYOUT_BDL => Layout::ChannelFirst,
+        XLA_SSM_LAYOUT_BLD => Layout::ChannelLast,
+        other => return Err(Error::invalid(format!("selective_scan_fwd: `layout`: unknown layout code {other}"))),
+    };
+    let x_dims = match layout {
+        Layout::ChannelFirst => vec![a.batch, a.dim, a.seqlen],
+        Layout::ChannelLast => vec![a.batch, a.seqlen, a.dim],
+    };
+    let bc_dims = match (a.groups, layout) {
+        (0, _) => vec![a.dim, a.dstate],
+        (g, Layout::ChannelFirst) => vec![a.batch, g, a.dstate, a.seqlen],
+        (g, Layout::ChannelLast) => vec![a.batch, a.seqlen, g, a.dstate],
+    };
+    let t = |dtype, dims: &Vec<i64>, p: *const c_void| Tensor { dtype, dims: dims.clone(), data: p as *mut c_void };
+    let per_channel = vec![a.dim];
+    let state = vec![a.batch, a.dim, a.dstate];
+    let (u, delta, z, out) =
+        (t(dtype, &x_dims, a.u), t(dtype, &x_dims, a.delta), t(dtype, &x_dims, a.z), t(dtype, &x_dims, a.out));
+    let a_mat = t(DType::F32, &vec![a.dim, a.dstate], a.a as *const c_void);
+    let (b, c) = (t(bc_dtype, &bc_dims, a.b), t(bc_dtype, &bc_dims, a.c));
+    let d = t(DType::F32, &per_channel, a.d as *const c_void);
+    let bias = t(DType::F32, &per_channel, a.delta_bias as *const c_void);
+    let h0 = t(DType::F32, &state, a.initial_state as *const c_void);
+    let final_state = t(DType::F32, &state, a.final_state as *const c_void);
+    fn some(t: &Tensor) -> Option<&Tensor> {
+        (!t.data.is_null()).then_some(t)
+    }
+    let fwd = validate_fwd(&FwdArgs {
+        u: &u,
+        delta: &delta,
+        a: &a_mat,
+        b: &b,
+        c: &c,
+        d: some(&d),
+        z: some(&z),
+        delta_bias: some(&bias),
+        initial_state: some(&h0),
+        out: &out,
+        final_state: &final_state,
+        delta_softplus: a.delta_softplus,
+        layout,
+    })?;
+    run_fwd(&fwd, platform)
+}
+
+/// Forward selective scan on host memory, on the calling thread (and worker threads it joins).
+///
+/// # Safety
+/// `args` points at a valid struct whose pointers address arrays of the sizes it describes.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_selective_scan_fwd_host(args: *const XlaSsmSelectiveScanFwdArgs) -> XlaSsmStatus {
+    status_of(catch_unwind(AssertUnwindSafe(|| fwd(args, Platform::Cpu))))
+}
+
+/// Forward selective scan on device memory, enqueued on `stream` (a `CUstream`; NULL for the legacy
+/// default stream of the current context). Returns once the kernel is enqueued; does not synchronize.
+///
+/// # Safety
+/// As [`xla_ssm_selective_scan_fwd_host`], with device pointers of the stream's context.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_selective_scan_fwd_cuda_launch(
+    args: *const XlaSsmSelectiveScanFwdArgs,
+    stream: *mut c_void,
+) -> XlaSsmStatus {
+    status_of(catch_unwind(AssertUnwindSafe(|| fwd(args, Platform::Cuda { stream }))))
+}

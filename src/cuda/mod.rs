@@ -1,0 +1,162 @@
+//! CUDA through the driver API, loaded at run time (cudarc's dynamic loading): the embedded fatbins,
+//! a per-context module cache, and the launch helper. Nothing here allocates device memory or
+//! synchronizes a stream.
+
+use crate::error::{Error, Result};
+use cudarc::driver::sys;
+use once_cell::sync::OnceCell;
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::Mutex;
+
+include!(concat!(env!("OUT_DIR"), "/fatbins.rs"));
+
+/// Turns a driver status into an [`Error`] carrying the driver's own name and message.
+pub fn check(result: sys::CUresult, what: &str) -> Result<()> {
+    if result == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    let mut text: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: the driver is loaded (we got a status from it); both return static strings.
+    unsafe {
+        sys::cuGetErrorName(result, &mut name);
+        sys::cuGetErrorString(result, &mut text);
+    }
+    let s = |p: *const std::ffi::c_char| {
+        if p.is_null() {
+            format!("{result:?}")
+        } else {
+            unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        }
+    };
+    Err(Error::Cuda(format!("{what}: {} ({})", s(text), s(name))))
+}
+
+/// Loads libcuda and calls cuInit once; afterwards returns the same answer.
+pub fn driver() -> Result<()> {
+    static INIT: OnceCell<std::result::Result<(), String>> = OnceCell::new();
+    INIT.get_or_init(|| {
+        // SAFETY: probing for the library has no preconditions.
+        if !unsafe { sys::is_culib_present() } {
+            return Err("the CUDA driver library (libcuda.so) could not be loaded".into());
+        }
+        // SAFETY: cuInit may be called any number of times.
+        check(unsafe { sys::cuInit(0) }, "cuInit").map_err(|e| e.message().to_string())
+    })
+    .clone()
+    .map_err(Error::Cuda)
+}
+
+/// Whether a CUDA device can be used from this process (for tests and hosts that want to skip).
+pub fn device_count() -> usize {
+    if driver().is_err() {
+        return 0;
+    }
+    let mut n = 0;
+    // SAFETY: the driver is initialised.
+    match unsafe { sys::cuDeviceGetCount(&mut n) } {
+        sys::CUresult::CUDA_SUCCESS => n.max(0) as usize,
+        _ => 0,
+    }
+}
+
+/// Functions cached by (context, kernel name); modules are loaded once per context and never unloaded
+/// (they live as long as the context, which XLA keeps for the process).
+struct Cache {
+    modules: HashMap<(usize, &'static str), usize>,
+    functions: HashMap<(usize, String), usize>,
+}
+
+static CACHE: Mutex<Option<Cache>> = Mutex::new(None);
+
+/// The context that owns `stream` (the current one for the legacy default stream).
+fn stream_context(stream: sys::CUstream) -> Result<sys::CUcontext> {
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    if stream.is_null() {
+        // SAFETY: plain query.
+        check(unsafe { sys::cuCtxGetCurrent(&mut ctx) }, "cuCtxGetCurrent")?;
+        if ctx.is_null() {
+            return Err(Error::Cuda("no CUDA context is current and no stream was given".into()));
+        }
+    } else {
+        // SAFETY: `stream` is a live stream handed over by the host.
+        check(unsafe { sys::cuStreamGetCtx(stream, &mut ctx) }, "cuStreamGetCtx")?;
+    }
+    Ok(ctx)
+}
+
+/// Makes `ctx` current for the guard's lifetime.
+struct ContextGuard;
+impl ContextGuard {
+    fn push(ctx: sys::CUcontext) -> Result<ContextGuard> {
+        // SAFETY: ctx is a live context.
+        check(unsafe { sys::cuCtxPushCurrent_v2(ctx) }, "cuCtxPushCurrent")?;
+        Ok(ContextGuard)
+    }
+}
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: pops what `push` pushed.
+        unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+    }
+}
+
+fn function(ctx: sys::CUcontext, module: &'static str, kernel: &str) -> Result<sys::CUfunction> {
+    let mut guard = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    let cache = guard.get_or_insert_with(|| Cache { modules: HashMap::new(), functions: HashMap::new() });
+    if let Some(&f) = cache.functions.get(&(ctx as usize, kernel.to_string())) {
+        return Ok(f as sys::CUfunction);
+    }
+    let module_handle = match cache.modules.get(&(ctx as usize, module)) {
+        Some(&m) => m as sys::CUmodule,
+        None => {
+            let image = FATBINS
+                .iter()
+                .find(|(name, _)| *name == module)
+                .ok_or_else(|| Error::Internal(format!("no embedded CUDA module named {module}")))?
+                .1;
+            let mut m: sys::CUmodule = std::ptr::null_mut();
+            // SAFETY: a fatbin produced by nvcc at build time; the context is current.
+            check(
+                unsafe { sys::cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) },
+                &format!("loading CUDA module {module} (does the fatbin have code for this GPU? see XLA_SSM_CUDA_ARCHS)"),
+            )?;
+            cache.modules.insert((ctx as usize, module), m as usize);
+            m
+        }
+    };
+    let name = CString::new(kernel).map_err(|_| Error::Internal("kernel name has a NUL".into()))?;
+    let mut f: sys::CUfunction = std::ptr::null_mut();
+    // SAFETY: the module is loaded in this context.
+    check(
+        unsafe { sys::cuModuleGetFunction(&mut f, module_handle, name.as_ptr()) },
+        &format!("looking up kernel {kernel}"),
+    )?;
+    cache.functions.insert((ctx as usize, kernel.to_string()), f as usize);
+    Ok(f)
+}
+
+/// A 1-D launch of `module`'s `kernel` on `stream` with one by-value parameter struct.
+pub fn launch<P>(stream: *mut c_void, module: &'static str, kernel: &str, grid: u64, block: u32, params: &P) -> Result<()> {
+    if grid == 0 {
+        return Ok(());
+    }
+    driver()?;
+    if grid > i32::MAX as u64 {
+        return Err(Error::invalid(format!("{kernel}: problem too large for one launch ({grid} blocks)")));
+    }
+    let stream = stream as sys::CUstream;
+    let ctx = stream_context(stream)?;
+    let _current = ContextGuard::push(ctx)?;
+    let f = function(ctx, module, kernel)?;
+    let mut args = [params as *const P as *mut c_void];
+    // SAFETY: `P` is the kernel's #[repr(C)] parameter struct, which the kernel reads by value.
+    check(
+        unsafe {
+            sys::cuLaunchKernel(f, grid as u32, 1, 1, block, 1, 1, 0, stream, args.as_mut_ptr(), std::ptr::null_mut())
+        },
+        &format!("launching {kernel}"),
+    )
+}

@@ -1,0 +1,108 @@
+//! Element types, named by their XLA FFI codes so that XLA buffers and C API calls share one enum.
+
+use crate::xla::ffi;
+use half::{bf16, f16};
+
+/// An element type as XLA names it (`XLA_FFI_DataType`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    BF16,
+    F16,
+    /// Any other XLA type, by its code; always rejected by the operations, but named in errors.
+    Other(i32),
+}
+
+impl DType {
+    pub fn from_xla(code: ffi::XLA_FFI_DataType) -> DType {
+        match code {
+            ffi::XLA_FFI_DATA_TYPE_F32 => DType::F32,
+            ffi::XLA_FFI_DATA_TYPE_BF16 => DType::BF16,
+            ffi::XLA_FFI_DATA_TYPE_F16 => DType::F16,
+            other => DType::Other(other),
+        }
+    }
+
+    /// The short name used in kernel names and error messages.
+    pub fn name(self) -> String {
+        match self {
+            DType::F32 => "f32".into(),
+            DType::BF16 => "bf16".into(),
+            DType::F16 => "f16".into(),
+            DType::Other(code) => match code {
+                ffi::XLA_FFI_DATA_TYPE_PRED => "pred".into(),
+                ffi::XLA_FFI_DATA_TYPE_S8 => "s8".into(),
+                ffi::XLA_FFI_DATA_TYPE_S16 => "s16".into(),
+                ffi::XLA_FFI_DATA_TYPE_S32 => "s32".into(),
+                ffi::XLA_FFI_DATA_TYPE_S64 => "s64".into(),
+                ffi::XLA_FFI_DATA_TYPE_U8 => "u8".into(),
+                ffi::XLA_FFI_DATA_TYPE_F64 => "f64".into(),
+                _ => format!("xla dtype #{code}"),
+            },
+        }
+    }
+
+    pub fn is_float(self) -> bool {
+        !matches!(self, DType::Other(_))
+    }
+}
+
+/// A floating-point element the kernels read and write; all arithmetic is in f32.
+pub trait Element: Copy + Send + Sync + 'static {
+    const DTYPE: DType;
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+
+/// Runs `$body` with `$t` bound to the Rust type of a float [`DType`]; other dtypes never get here
+/// (validation rejects them first), so they panic, which the FFI boundary reports as INTERNAL.
+#[macro_export]
+macro_rules! with_element_type {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            other => panic!("unsupported element type {}", other.name()),
+        }
+    };
+}

@@ -1,0 +1,272 @@
+//! Decoding an `XLA_FFI_CallFrame`: operands, results, attributes and the CUDA stream, each checked,
+//! and errors turned into `XLA_FFI_Error`s.
+
+use super::ffi::*;
+use crate::error::{Error, Result};
+use crate::ops::Tensor;
+use crate::DType;
+use std::ffi::{c_void, CString};
+
+/// A call frame whose struct sizes and API version were checked (see [`Frame::new`]).
+pub struct Frame<'a> {
+    raw: &'a XLA_FFI_CallFrame,
+    api: &'a XLA_FFI_Api,
+}
+
+/// What the handler should do with a call frame.
+pub enum Call<'a> {
+    /// XLA asks for the handler's metadata (at registration).
+    Metadata(&'a mut XLA_FFI_Metadata_Extension),
+    /// Run at this stage.
+    Run(Frame<'a>),
+}
+
+impl<'a> Frame<'a> {
+    /// Checks the frame against the C API this library mirrors.
+    ///
+    /// # Safety
+    /// `raw` must be a call frame handed over by XLA (or a host that builds frames the same way).
+    pub unsafe fn new(raw: &'a mut XLA_FFI_CallFrame) -> std::result::Result<Call<'a>, String> {
+        if raw.struct_size < call_frame_struct_size() {
+            return Err(format!(
+                "unexpected XLA_FFI_CallFrame size: expected at least {}, got {}; check installed software versions",
+                call_frame_struct_size(),
+                raw.struct_size
+            ));
+        }
+        if !raw.extension_start.is_null() && (*raw.extension_start).type_ == XLA_FFI_EXTENSION_METADATA {
+            let ext = &mut *(raw.extension_start as *mut XLA_FFI_Metadata_Extension);
+            if ext.extension_base.struct_size < metadata_extension_struct_size()
+                || ext.metadata.is_null()
+                || (*ext.metadata).struct_size < metadata_struct_size()
+            {
+                return Err("unexpected XLA_FFI_Metadata size; check installed software versions".into());
+            }
+            return Ok(Call::Metadata(ext));
+        }
+        let api = &*raw.api;
+        if api.struct_size < api_struct_size_min() {
+            return Err(format!(
+                "unexpected XLA_FFI_Api size: expected at least {}, got {}; check installed software versions",
+                api_struct_size_min(),
+                api.struct_size
+            ));
+        }
+        if api.api_version.major_version != XLA_FFI_API_MAJOR {
+            return Err(format!(
+                "XLA FFI API version {}.{} is not supported: this library speaks {}.{}",
+                api.api_version.major_version, api.api_version.minor_version, XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR
+            ));
+        }
+        Ok(Call::Run(Frame { raw, api }))
+    }
+
+    pub fn stage(&self) -> XLA_FFI_ExecutionStage {
+        self.raw.stage
+    }
+
+    pub fn api(&self) -> &'a XLA_FFI_Api {
+        self.api
+    }
+
+    pub fn num_args(&self) -> usize {
+        self.raw.args.size.max(0) as usize
+    }
+
+    pub fn num_rets(&self) -> usize {
+        self.raw.rets.size.max(0) as usize
+    }
+
+    /// Operand `index`, named `name` in errors.
+    pub fn arg(&self, index: usize, name: &str) -> Result<Tensor> {
+        let args = &self.raw.args;
+        if index >= self.num_args() {
+            return Err(Error::invalid(format!(
+                "operand {index} (`{name}`) is missing: the call has {} operands",
+                self.num_args()
+            )));
+        }
+        // SAFETY: index < size, and XLA sizes both arrays `size`.
+        unsafe {
+            if *args.types.add(index) != XLA_FFI_ARG_TYPE_BUFFER {
+                return Err(Error::invalid(format!("operand {index} (`{name}`) is not a buffer")));
+            }
+            buffer_to_tensor(*args.args.add(index) as *const XLA_FFI_Buffer, "operand", index, name)
+        }
+    }
+
+    /// Result `index`, named `name` in errors.
+    pub fn ret(&self, index: usize, name: &str) -> Result<Tensor> {
+        let rets = &self.raw.rets;
+        if index >= self.num_rets() {
+            return Err(Error::invalid(format!(
+                "result {index} (`{name}`) is missing: the call has {} results",
+                self.num_rets()
+            )));
+        }
+        // SAFETY: as in `arg`.
+        unsafe {
+            if *rets.types.add(index) != XLA_FFI_RET_TYPE_BUFFER {
+                return Err(Error::invalid(format!("result {index} (`{name}`) is not a buffer")));
+            }
+            buffer_to_tensor(*rets.rets.add(index) as *const XLA_FFI_Buffer, "result", index, name)
+        }
+    }
+
+    /// The attribute called `name`, as (type, pointer), or an error naming it when absent.
+    fn attr(&self, name: &str) -> Result<(XLA_FFI_AttrType, *mut c_void)> {
+        let attrs = &self.raw.attrs;
+        let mut names = Vec::new();
+        for i in 0..attrs.size.max(0) as usize {
+            // SAFETY: i < size; XLA sizes the three arrays alike and names are byte spans.
+            let (ty, key, value) = unsafe {
+                let span = &**attrs.names.add(i);
+                let key = std::slice::from_raw_parts(span.ptr as *const u8, span.len);
+                (*attrs.types.add(i), key, *attrs.attrs.add(i))
+            };
+            if key == name.as_bytes() {
+                return Ok((ty, value));
+            }
+            names.push(String::from_utf8_lossy(key).into_owned());
+        }
+        Err(Error::invalid(format!(
+            "attribute `{name}` is missing (the call has: [{}])",
+            names.join(", ")
+        )))
+    }
+
+    /// A boolean attribute (an `i1`/PRED scalar, as `jax.ffi.ffi_call` encodes Python and NumPy bools).
+    pub fn attr_bool(&self, name: &str) -> Result<bool> {
+        let (ty, value) = self.attr(name)?;
+        if ty != XLA_FFI_ATTR_TYPE_SCALAR {
+            return Err(Error::invalid(format!(
+                "attribute `{name}`: expected a bool scalar, got {}",
+                attr_type_name(ty)
+            )));
+        }
+        // SAFETY: a scalar attribute points at an XLA_FFI_Scalar.
+        let scalar = unsafe { &*(value as *const XLA_FFI_Scalar) };
+        if scalar.dtype != XLA_FFI_DATA_TYPE_PRED {
+            return Err(Error::invalid(format!(
+                "attribute `{name}`: expected a bool (pred) scalar, got a {} scalar",
+                DType::from_xla(scalar.dtype).name()
+            )));
+        }
+        // SAFETY: a PRED scalar is one byte.
+        Ok(unsafe { *(scalar.value as *const u8) } != 0)
+    }
+
+    /// A string attribute.
+    pub fn attr_str(&self, name: &str) -> Result<String> {
+        let (ty, value) = self.attr(name)?;
+        if ty != XLA_FFI_ATTR_TYPE_STRING {
+            return Err(Error::invalid(format!(
+                "attribute `{name}`: expected a string, got {}",
+                attr_type_name(ty)
+            )));
+        }
+        // SAFETY: a string attribute points at a byte span.
+        let span = unsafe { &*(value as *const XLA_FFI_ByteSpan) };
+        let bytes = unsafe { std::slice::from_raw_parts(span.ptr as *const u8, span.len) };
+        Ok(String::from_utf8_lossy(bytes).into_owned())
+    }
+
+    /// The platform stream of this call (a `CUstream` on CUDA).
+    pub fn stream(&self) -> Result<*mut c_void> {
+        let get = self
+            .api
+            .XLA_FFI_Stream_Get
+            .ok_or_else(|| Error::Internal("XLA_FFI_Stream_Get is missing from the API table".into()))?;
+        let mut args = XLA_FFI_Stream_Get_Args {
+            struct_size: stream_get_args_struct_size(),
+            extension_start: std::ptr::null_mut(),
+            ctx: self.raw.ctx,
+            stream: std::ptr::null_mut(),
+        };
+        // SAFETY: a call into XLA's own table with a well-formed argument struct.
+        let err = unsafe { get(&mut args) };
+        if !err.is_null() {
+            let msg = take_error_message(self.api, err);
+            return Err(Error::Internal(format!("could not get the CUDA stream from XLA: {msg}")));
+        }
+        Ok(args.stream)
+    }
+}
+
+fn attr_type_name(ty: XLA_FFI_AttrType) -> &'static str {
+    match ty {
+        XLA_FFI_ATTR_TYPE_ARRAY => "an array",
+        XLA_FFI_ATTR_TYPE_DICTIONARY => "a dictionary",
+        XLA_FFI_ATTR_TYPE_SCALAR => "a scalar",
+        XLA_FFI_ATTR_TYPE_STRING => "a string",
+        _ => "an attribute of unknown type",
+    }
+}
+
+unsafe fn buffer_to_tensor(buf: *const XLA_FFI_Buffer, what: &str, index: usize, name: &str) -> Result<Tensor> {
+    if buf.is_null() {
+        return Err(Error::invalid(format!("{what} {index} (`{name}`) is a null buffer")));
+    }
+    let buf = &*buf;
+    if buf.struct_size < buffer_struct_size() {
+        return Err(Error::invalid(format!(
+            "{what} {index} (`{name}`): unexpected XLA_FFI_Buffer size {} (expected at least {})",
+            buf.struct_size,
+            buffer_struct_size()
+        )));
+    }
+    let rank = buf.rank.max(0) as usize;
+    let dims = if rank == 0 { Vec::new() } else { std::slice::from_raw_parts(buf.dims, rank).to_vec() };
+    Ok(Tensor { dtype: DType::from_xla(buf.dtype), dims, data: buf.data })
+}
+
+/// Reads and destroys an error that XLA returned to us.
+fn take_error_message(api: &XLA_FFI_Api, err: *mut XLA_FFI_Error) -> String {
+    let mut msg = String::from("(no message)");
+    if let Some(get) = api.XLA_FFI_Error_GetMessage {
+        let mut args = XLA_FFI_Error_GetMessage_Args {
+            struct_size: struct_size!(XLA_FFI_Error_GetMessage_Args, message),
+            extension_start: std::ptr::null_mut(),
+            error: err,
+            message: std::ptr::null(),
+        };
+        // SAFETY: XLA's own table; the message lives until the error is destroyed.
+        unsafe {
+            get(&mut args);
+            if !args.message.is_null() {
+                msg = std::ffi::CStr::from_ptr(args.message).to_string_lossy().into_owned();
+            }
+        }
+    }
+    if let Some(destroy) = api.XLA_FFI_Error_Destroy {
+        let mut args = XLA_FFI_Error_Destroy_Args {
+            struct_size: struct_size!(XLA_FFI_Error_Destroy_Args, error),
+            extension_start: std::ptr::null_mut(),
+            error: err,
+        };
+        // SAFETY: as above.
+        unsafe { destroy(&mut args) };
+    }
+    msg
+}
+
+/// Turns an [`Error`] into an `XLA_FFI_Error` through the API table (XLA owns the result).
+pub fn make_error(api: &XLA_FFI_Api, error: &Error) -> *mut XLA_FFI_Error {
+    let code = match error {
+        Error::InvalidArgument(_) => XLA_FFI_ERROR_CODE_INVALID_ARGUMENT,
+        Error::Unimplemented(_) => XLA_FFI_ERROR_CODE_UNIMPLEMENTED,
+        Error::Cuda(_) | Error::Internal(_) => XLA_FFI_ERROR_CODE_INTERNAL,
+    };
+    let message = CString::new(error.message().replace('\0', " ")).unwrap_or_default();
+    let Some(create) = api.XLA_FFI_Error_Create else {
+        return std::ptr::null_mut();
+    };
+    let mut args = XLA_FFI_Error_Create_Args {
+        struct_size: error_create_args_struct_size(),
+        extension_start: std::ptr::null_mut(),
+        message: message.as_ptr(),
+        errc: code,
+    };
+    // SAFETY: XLA copies the message before returning.
+    unsafe { create(&mut args) }
+}

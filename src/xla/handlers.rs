@@ -1,0 +1,96 @@
+//! The exported XLA FFI handlers, one per operation and platform, and the one wrapper they share:
+//! metadata handshake, stage check, panic catching and error conversion.
+
+use super::ffi::*;
+use super::frame::{make_error, Call, Frame};
+use crate::error::{Error, Result};
+use crate::ops::{selective_scan, Platform};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// Runs `body` for one XLA call. Nothing unwinds out of here: a panic becomes an INTERNAL error.
+///
+/// # Safety
+/// `frame` must be a call frame built by XLA (or laid out as the C header says).
+pub unsafe fn run_handler(
+    frame: *mut XLA_FFI_CallFrame,
+    traits: XLA_FFI_Handler_Traits,
+    body: impl FnOnce(&Frame) -> Result<()>,
+) -> *mut XLA_FFI_Error {
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        let Some(raw) = frame.as_mut() else {
+            // No API table to report through; a host that passes no frame gets nothing done.
+            return std::ptr::null_mut();
+        };
+        let api_ptr = raw.api;
+        let fail = |e: Error| match api_ptr.as_ref() {
+            Some(api) => make_error(api, &e),
+            None => std::ptr::null_mut(),
+        };
+        match Frame::new(raw) {
+            Err(msg) => fail(Error::invalid(msg)),
+            Ok(Call::Metadata(ext)) => {
+                let metadata = &mut *ext.metadata;
+                metadata.api_version = XLA_FFI_Api_Version {
+                    struct_size: api_version_struct_size(),
+                    extension_start: std::ptr::null_mut(),
+                    major_version: XLA_FFI_API_MAJOR,
+                    minor_version: XLA_FFI_API_MINOR,
+                };
+                metadata.traits = traits;
+                if metadata.struct_size >= std::mem::size_of::<XLA_FFI_Metadata>() {
+                    metadata.state_type_id = XLA_FFI_TypeId { type_id: 0 };
+                }
+                std::ptr::null_mut()
+            }
+            Ok(Call::Run(frame)) => {
+                if frame.stage() != XLA_FFI_EXECUTION_STAGE_EXECUTE {
+                    // Only an execute handler is registered: other stages have nothing to do.
+                    return std::ptr::null_mut();
+                }
+                match body(&frame) {
+                    Ok(()) => std::ptr::null_mut(),
+                    Err(e) => make_error(frame.api(), &e),
+                }
+            }
+        }
+    }));
+    match outcome {
+        Ok(err) => err,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("unknown panic");
+            match frame.as_ref().and_then(|f| f.api.as_ref()) {
+                Some(api) => make_error(api, &Error::Internal(format!("xla_ssm panicked: {what}"))),
+                None => std::ptr::null_mut(),
+            }
+        }
+    }
+}
+
+// The handlers are written out (not macro-generated) so that cbindgen puts them in the header.
+
+/// XLA FFI handler of `xla_ssm_selective_scan_fwd` for platform "cpu" (register with
+/// `jax.ffi.register_ffi_target(..., platform="cpu")`).
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_selective_scan_fwd_cpu(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, 0, |frame| selective_scan::fwd_from_frame(frame, Platform::Cpu))
+}
+
+/// XLA FFI handler of `xla_ssm_selective_scan_fwd` for platform "CUDA". Runs on XLA's stream,
+/// allocates nothing and never synchronizes, so it is safe in CUDA graphs (command buffers).
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_selective_scan_fwd_cuda(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, |frame| {
+        let stream = frame.stream()?;
+        selective_scan::fwd_from_frame(frame, Platform::Cuda { stream })
+    })
+}
