@@ -15,6 +15,7 @@ REQS=(
   nvidia-nvvm==13.0.88
   nvidia-cuda-crt==13.0.88
   nvidia-cuda-runtime==13.0.96
+  nvidia-cuda-cccl==13.0.85   # nv/target, needed by cuda_fp16.h / cuda_bf16.h
   jax
   numpy
   pytest

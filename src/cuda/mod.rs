@@ -138,14 +138,46 @@ fn function(ctx: sys::CUcontext, module: &'static str, kernel: &str) -> Result<s
     Ok(f)
 }
 
-/// A 1-D launch of `module`'s `kernel` on `stream` with one by-value parameter struct.
-pub fn launch<P>(stream: *mut c_void, module: &'static str, kernel: &str, grid: u64, block: u32, params: &P) -> Result<()> {
-    if grid == 0 {
+/// Multiprocessors of the device that owns `stream` (cached per context).
+pub fn multiprocessor_count(stream: *mut c_void) -> Result<i64> {
+    static COUNTS: Mutex<Option<HashMap<usize, i64>>> = Mutex::new(None);
+    driver()?;
+    let ctx = stream_context(stream as sys::CUstream)?;
+    let mut counts = COUNTS.lock().unwrap_or_else(|p| p.into_inner());
+    let counts = counts.get_or_insert_with(HashMap::new);
+    if let Some(&n) = counts.get(&(ctx as usize)) {
+        return Ok(n);
+    }
+    let _current = ContextGuard::push(ctx)?;
+    let mut device: sys::CUdevice = 0;
+    // SAFETY: plain queries in a current context.
+    check(unsafe { sys::cuCtxGetDevice(&mut device) }, "cuCtxGetDevice")?;
+    let mut n = 0;
+    check(
+        unsafe {
+            sys::cuDeviceGetAttribute(&mut n, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)
+        },
+        "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)",
+    )?;
+    counts.insert(ctx as usize, n as i64);
+    Ok(n as i64)
+}
+
+/// Launches `module`'s `kernel` on `stream` with a (x, y) grid and one by-value parameter struct.
+pub fn launch<P>(
+    stream: *mut c_void,
+    module: &'static str,
+    kernel: &str,
+    grid: (u64, u64),
+    block: u32,
+    params: &P,
+) -> Result<()> {
+    if grid.0 == 0 || grid.1 == 0 {
         return Ok(());
     }
     driver()?;
-    if grid > i32::MAX as u64 {
-        return Err(Error::invalid(format!("{kernel}: problem too large for one launch ({grid} blocks)")));
+    if grid.0 > i32::MAX as u64 || grid.1 > u16::MAX as u64 {
+        return Err(Error::invalid(format!("{kernel}: problem too large for one launch ({grid:?} blocks)")));
     }
     let stream = stream as sys::CUstream;
     let ctx = stream_context(stream)?;
@@ -155,7 +187,19 @@ pub fn launch<P>(stream: *mut c_void, module: &'static str, kernel: &str, grid: 
     // SAFETY: `P` is the kernel's #[repr(C)] parameter struct, which the kernel reads by value.
     check(
         unsafe {
-            sys::cuLaunchKernel(f, grid as u32, 1, 1, block, 1, 1, 0, stream, args.as_mut_ptr(), std::ptr::null_mut())
+            sys::cuLaunchKernel(
+                f,
+                grid.0 as u32,
+                grid.1 as u32,
+                1,
+                block,
+                1,
+                1,
+                0,
+                stream,
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
         },
         &format!("launching {kernel}"),
     )

@@ -29,9 +29,9 @@ def candidate_paths() -> list[Path]:
         return [Path(env).expanduser()]
     here = Path(__file__).resolve().parent
     paths = [here / LIBRARY_NAME]
-    # bindings/python/xla_ssm/_lib.py -> repository root is three levels up from the package dir.
-    repo = here.parents[2]
-    paths.append(repo / "target" / "release" / LIBRARY_NAME)
+    # Run from the source tree (<repo>/bindings/python/xla_ssm): the cargo release build.
+    if here.parent.name == "python" and here.parent.parent.name == "bindings":
+        paths.append(here.parents[2] / "target" / "release" / LIBRARY_NAME)
     return paths
 
 

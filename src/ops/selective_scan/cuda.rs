@@ -1,23 +1,71 @@
-//! The CUDA launch of the forward scan (kernels/selective_scan_fwd.cu).
+//! The CUDA launch of the forward scan (kernels/selective_scan_fwd.cu), which picks one of two kernels:
+//! - `tiled`: one thread per channel, all states in registers, tiles through shared memory. For
+//!   dstate <= 16, one B/C group per 128-channel tile, and enough tiles to fill the GPU.
+//! - `lanes`: 1..32 lanes per channel with 8 states each; any dstate up to 256, any groups, and more
+//!   threads for small problems.
+//!
+//! `XLA_SSM_FWD_KERNEL=tiled|lanes` forces a choice where the kernel supports the call (tests use it
+//! to cover both).
 
 use super::Fwd;
 use crate::error::Result;
+use once_cell::sync::Lazy;
 use std::ffi::c_void;
 
-const STATES_PER_LANE: i64 = 8;
-const BLOCK_THREADS: u32 = 128;
+const LANE_STATES: i64 = 8;
+const LANES_BLOCK: u32 = 128;
+const TILE_CHANNELS: i64 = 128;
+const TILED_MAX_DSTATE: i64 = 16;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Choice {
+    Auto,
+    Tiled,
+    Lanes,
+}
+
+static FORCED: Lazy<Choice> = Lazy::new(|| match std::env::var("XLA_SSM_FWD_KERNEL").as_deref() {
+    Ok("tiled") => Choice::Tiled,
+    Ok("lanes") => Choice::Lanes,
+    _ => Choice::Auto,
+});
 
 /// Lanes per channel: enough lanes of 8 states to cover dstate, a power of two up to 32.
 fn lanes_per_channel(dstate: i64) -> i64 {
-    let lanes = (dstate + STATES_PER_LANE - 1) / STATES_PER_LANE;
+    let lanes = (dstate + LANE_STATES - 1) / LANE_STATES;
     (lanes.max(1) as u64).next_power_of_two() as i64
+}
+
+fn tiled_supported(fwd: &Fwd) -> bool {
+    let p = &fwd.params;
+    let one_group_per_tile = !fwd.bc_time_varying || p.dim_per_group == p.dim || p.dim_per_group % TILE_CHANNELS == 0;
+    p.dstate <= TILED_MAX_DSTATE && one_group_per_tile && p.batch <= u16::MAX as i64
 }
 
 pub(super) fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
     let p = &fwd.params;
-    let ns = lanes_per_channel(p.dstate);
-    let kernel = format!("selective_scan_fwd_{}_{}_ns{ns}", fwd.dtype.name(), fwd.bc_dtype.name());
-    let threads = p.batch * p.dim * ns;
-    let grid = (threads as u64).div_ceil(BLOCK_THREADS as u64);
-    crate::cuda::launch(stream, "selective_scan_fwd", &kernel, grid, BLOCK_THREADS, p)
+    if p.batch * p.dim == 0 {
+        return Ok(());
+    }
+    let types = format!("{}_{}", fwd.dtype.name(), fwd.bc_dtype.name());
+    let tiles = p.batch * ((p.dim + TILE_CHANNELS - 1) / TILE_CHANNELS);
+    let use_tiled = tiled_supported(fwd)
+        && match *FORCED {
+            Choice::Tiled => true,
+            Choice::Lanes => false,
+            // The tiled kernel does the least work per element but has one thread per channel:
+            // take it once there is a tile for every multiprocessor.
+            Choice::Auto => tiles >= crate::cuda::multiprocessor_count(stream)?,
+        };
+    if use_tiled {
+        let form = if fwd.bc_time_varying { "varying" } else { "invariant" };
+        let kernel = format!("selective_scan_fwd_tiled_{types}_{form}");
+        let grid = (((p.dim + TILE_CHANNELS - 1) / TILE_CHANNELS) as u64, p.batch as u64);
+        crate::cuda::launch(stream, "selective_scan_fwd", &kernel, grid, TILE_CHANNELS as u32, p)
+    } else {
+        let ns = lanes_per_channel(p.dstate);
+        let kernel = format!("selective_scan_fwd_lanes_{types}_ns{ns}");
+        let grid = ((p.batch * p.dim * ns) as u64).div_ceil(LANES_BLOCK as u64);
+        crate::cuda::launch(stream, "selective_scan_fwd", &kernel, (grid, 1), LANES_BLOCK, p)
+    }
 }

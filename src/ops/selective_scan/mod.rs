@@ -100,6 +100,8 @@ pub struct Fwd {
     pub dtype: DType,
     /// dtype of B and C.
     pub bc_dtype: DType,
+    /// B and C are (batch, groups, dstate, seqlen)-like rather than (dim, dstate).
+    pub bc_time_varying: bool,
 }
 
 const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
@@ -251,7 +253,7 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
         delta_softplus: args.delta_softplus as i32,
         _reserved: 0,
     };
-    Ok(Fwd { params, dtype, bc_dtype: b.dtype })
+    Ok(Fwd { params, dtype, bc_dtype: b.dtype, bc_time_varying: time_varying })
 }
 
 /// Runs a validated forward call.
