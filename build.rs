@@ -104,7 +104,8 @@ fn kernels(out: &Path) {
             (stem, fatbin, child)
         })
         .collect();
-    let mut table = String::from("/// (module name, fatbin) for every kernels/*.cu.\npub static FATBINS: &[(&str, &[u8])] = &[\n");
+    let mut table =
+        String::from("/// (module name, fatbin) for every kernels/*.cu.\npub static FATBINS: &[(&str, &[u8])] = &[\n");
     for (stem, fatbin, mut child) in jobs {
         let status = child.wait().unwrap();
         assert!(status.success(), "nvcc failed on kernels/{stem}.cu");

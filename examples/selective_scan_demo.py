@@ -18,7 +18,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 import xla_ssm
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}

@@ -121,7 +121,9 @@ fn function(ctx: sys::CUcontext, module: &'static str, kernel: &str) -> Result<s
             // SAFETY: a fatbin produced by nvcc at build time; the context is current.
             check(
                 unsafe { sys::cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) },
-                &format!("loading CUDA module {module} (does the fatbin have code for this GPU? see XLA_SSM_CUDA_ARCHS)"),
+                &format!(
+                    "loading CUDA module {module} (does the fatbin have code for this GPU? see XLA_SSM_CUDA_ARCHS)"
+                ),
             )?;
             cache.modules.insert((ctx as usize, module), m as usize);
             m

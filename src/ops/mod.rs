@@ -56,11 +56,7 @@ pub fn expect(t: &Tensor, what: &str, dims: &[i64], dims_meaning: &str, dtypes: 
 pub fn expect_dtype(t: &Tensor, what: &str, dtypes: &[DType]) -> Result<()> {
     if !dtypes.contains(&t.dtype) {
         let names: Vec<String> = dtypes.iter().map(|d| d.name()).collect();
-        return Err(Error::invalid(format!(
-            "{what}: expected dtype {}, got {}",
-            names.join(" or "),
-            t.dtype.name()
-        )));
+        return Err(Error::invalid(format!("{what}: expected dtype {}, got {}", names.join(" or "), t.dtype.name())));
     }
     Ok(())
 }

@@ -21,12 +21,12 @@ pub enum Call<'a> {
     Run(Frame<'a>),
 }
 
-impl<'a> Frame<'a> {
-    /// Checks the frame against the C API this library mirrors.
+impl<'a> Call<'a> {
+    /// Checks the frame against the C API this library mirrors and says what it asks for.
     ///
     /// # Safety
     /// `raw` must be a call frame handed over by XLA (or a host that builds frames the same way).
-    pub unsafe fn new(raw: &'a mut XLA_FFI_CallFrame) -> std::result::Result<Call<'a>, String> {
+    pub unsafe fn decode(raw: &'a mut XLA_FFI_CallFrame) -> std::result::Result<Call<'a>, String> {
         if raw.struct_size < call_frame_struct_size() {
             return Err(format!(
                 "unexpected XLA_FFI_CallFrame size: expected at least {}, got {}; check installed software versions",
@@ -60,7 +60,9 @@ impl<'a> Frame<'a> {
         }
         Ok(Call::Run(Frame { raw, api }))
     }
+}
 
+impl<'a> Frame<'a> {
     pub fn stage(&self) -> XLA_FFI_ExecutionStage {
         self.raw.stage
     }
@@ -129,10 +131,7 @@ impl<'a> Frame<'a> {
             }
             names.push(String::from_utf8_lossy(key).into_owned());
         }
-        Err(Error::invalid(format!(
-            "attribute `{name}` is missing (the call has: [{}])",
-            names.join(", ")
-        )))
+        Err(Error::invalid(format!("attribute `{name}` is missing (the call has: [{}])", names.join(", "))))
     }
 
     /// A boolean attribute (an `i1`/PRED scalar, as `jax.ffi.ffi_call` encodes Python and NumPy bools).
@@ -160,10 +159,7 @@ impl<'a> Frame<'a> {
     pub fn attr_str(&self, name: &str) -> Result<String> {
         let (ty, value) = self.attr(name)?;
         if ty != XLA_FFI_ATTR_TYPE_STRING {
-            return Err(Error::invalid(format!(
-                "attribute `{name}`: expected a string, got {}",
-                attr_type_name(ty)
-            )));
+            return Err(Error::invalid(format!("attribute `{name}`: expected a string, got {}", attr_type_name(ty))));
         }
         // SAFETY: a string attribute points at a byte span.
         let span = unsafe { &*(value as *const XLA_FFI_ByteSpan) };

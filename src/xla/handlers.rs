@@ -26,7 +26,7 @@ pub unsafe fn run_handler(
             Some(api) => make_error(api, &e),
             None => std::ptr::null_mut(),
         };
-        match Frame::new(raw) {
+        match Call::decode(raw) {
             Err(msg) => fail(Error::invalid(msg)),
             Ok(Call::Metadata(ext)) => {
                 let metadata = &mut *ext.metadata;

@@ -6,14 +6,15 @@ Run: PYTHONPATH=bindings/python XLA_SSM_LIBRARY=target/release/libxla_ssm.so pyt
 from __future__ import annotations
 
 import itertools
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import xla_ssm
 from xla_ssm import _lib
 
@@ -204,7 +205,10 @@ def test_vmap(lib):
     kws = [make_case(7 + i, 2, 4, 9, 8) for i in range(3)]
     stacked = {k: np.stack([kw[k] for kw in kws]) for k in ("u", "delta", "B", "C", "z", "initial_state")}
     shared = {k: kws[0][k] for k in ("A", "D", "delta_bias")}
-    f = lambda s: xla_ssm.selective_scan_fwd(**s, **shared, delta_softplus=True)  # noqa: E731
+
+    def f(s):
+        return xla_ssm.selective_scan_fwd(**s, **shared, delta_softplus=True)
+
     out, state = jax.jit(jax.vmap(f))(stacked)
     for i in range(3):
         kw = dict(kws[i], A=shared["A"], D=shared["D"], delta_bias=shared["delta_bias"])
@@ -281,7 +285,8 @@ BAD = [
     ("D-dtype", lambda kw: kw.update(D=kw["D"].astype(BF16)), TypeError, "D must be float32"),
     ("z-dtype", lambda kw: kw.update(z=kw["z"].astype(BF16)), TypeError, "z must have the dtype of u"),
     ("bias-shape", lambda kw: kw.update(delta_bias=kw["delta_bias"][None]), ValueError, "delta_bias must have shape"),
-    ("h0-shape", lambda kw: kw.update(initial_state=kw["initial_state"][:1]), ValueError, "initial_state must have shape"),
+    ("h0-shape", lambda kw: kw.update(initial_state=kw["initial_state"][:1]), ValueError,
+     "initial_state must have shape"),
     ("h0-dtype", lambda kw: kw.update(initial_state=kw["initial_state"].astype(F16)), TypeError,
      "initial_state must be float32"),
     ("layout", lambda kw: kw.update(layout="lbd"), ValueError, "layout must be one of"),
@@ -394,5 +399,7 @@ def test_import_does_not_load_library():
         "except FileNotFoundError as e:\n"
         "    assert '/nonexistent/libxla_ssm.so' in str(e); print('ok')\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    pkg_root = str(Path(xla_ssm.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr

@@ -71,7 +71,9 @@ def _check(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, l
     if B.ndim == 2:
         groups = 1
         if tuple(B.shape) != (dim, dstate):
-            raise ValueError(f"time-invariant B (rank 2) must have shape (dim, dstate)={(dim, dstate)}, got {tuple(B.shape)}")
+            raise ValueError(
+                f"time-invariant B (rank 2) must have shape (dim, dstate)={(dim, dstate)}, got {tuple(B.shape)}"
+            )
     elif B.ndim == 4:
         groups = B.shape[2] if layout == "bld" else B.shape[1]
         if layout == "bdl":
@@ -179,7 +181,10 @@ def selective_scan_ref(
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     acc = jnp.promote_types(jnp.float32, jnp.result_type(u, delta, A, B, C))
-    f = lambda x: None if x is None else x.astype(acc)  # noqa: E731
+
+    def f(x):
+        return None if x is None else x.astype(acc)
+
     out_dtype = u.dtype
     u, delta, A, B, C, D, z, delta_bias, h0 = map(
         f, (u, delta, A, B, C, D, z, delta_bias, initial_state)

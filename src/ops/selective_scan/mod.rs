@@ -146,9 +146,7 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
     expect_dtype(a, &format!("{op}: operand `A`"), &[DType::F32])?;
     let dstate = a.dims[1];
     if dstate > MAX_DSTATE {
-        return Err(Error::invalid(format!(
-            "{op}: operand `A`: dstate must be at most {MAX_DSTATE}, got {dstate}"
-        )));
+        return Err(Error::invalid(format!("{op}: operand `A`: dstate must be at most {MAX_DSTATE}, got {dstate}")));
     }
 
     // B and C: time-invariant (dim, dstate) or time-varying with groups.
@@ -193,7 +191,13 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
         expect(h0, &format!("{op}: operand `initial_state`"), &state_dims, "[batch, dim, dstate]", &[DType::F32])?;
     }
     expect(args.out, &format!("{op}: result `out`"), &u.dims, x_meaning, &[dtype])?;
-    expect(args.final_state, &format!("{op}: result `final_state`"), &state_dims, "[batch, dim, dstate]", &[DType::F32])?;
+    expect(
+        args.final_state,
+        &format!("{op}: result `final_state`"),
+        &state_dims,
+        "[batch, dim, dstate]",
+        &[DType::F32],
+    )?;
 
     let named: [(Option<&Tensor>, &str); 11] = [
         (Some(u), "u"),
@@ -304,12 +308,8 @@ pub fn fwd_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
             frame.num_rets()
         )));
     }
-    let operands: Vec<Tensor> = names
-        .iter()
-        .enumerate()
-        .map(|(i, n)| frame.arg(i, n))
-        .collect::<Result<_>>()
-        .map_err(prefix)?;
+    let operands: Vec<Tensor> =
+        names.iter().enumerate().map(|(i, n)| frame.arg(i, n)).collect::<Result<_>>().map_err(prefix)?;
     let find = |name: &str| names.iter().position(|n| *n == name).map(|i| &operands[i]);
     let out = frame.ret(0, "out").map_err(prefix)?;
     let final_state = frame.ret(1, "final_state").map_err(prefix)?;
