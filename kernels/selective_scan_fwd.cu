@@ -65,6 +65,7 @@ __device__ __forceinline__ void selective_scan_fwd_lanes(const SelectiveScanFwdP
     const float bias = p.delta_bias ? p.delta_bias[d] : 0.f;
     const float skip = p.D ? p.D[d] : 0.f;
 
+#pragma unroll 4
     for (int64_t l = 0; l < p.seqlen; ++l) {
         const int64_t xi = x_base + l * p.x_stride_seq;
         const float ul = to_f32(u[xi]);
@@ -78,7 +79,7 @@ __device__ __forceinline__ void selective_scan_fwd_lanes(const SelectiveScanFwdP
             if (valid[k]) {
                 const float bk = to_f32(Bm[bci + k * p.bc_stride_state]);
                 const float ck = to_f32(Cm[bci + k * p.bc_stride_state]);
-                h[k] = exp2f(dt * a2[k]) * h[k] + bk * dtu;
+                h[k] = ex2_ftz(dt * a2[k]) * h[k] + bk * dtu;
                 y += ck * h[k];
             }
         }
@@ -115,51 +116,102 @@ SSF_ALL_NS(f16, f32)
 // ---------------------------------------------------------------------------------------------
 // Tiled kernel for dstate <= 16 and many channels: one thread per channel with all its states in
 // registers, so the per-element work is the recurrence alone (no shuffles). A block scans 128
-// channels of one batch row; u, delta and z come through shared memory in tiles of kSteps steps,
-// loaded and stored with coalesced accesses in either layout, and B/C (one group per block) are
-// staged as f32 and read by broadcast. A quarter of the exponentials run on the FMA pipes.
+// channels of one batch row, a tile of S steps at a time: u, delta and z pass through shared memory
+// (coalesced 16-byte global accesses in either layout, the next tile's loads in flight in registers
+// while this one is computed), B/C (one group per block) are staged as f32 and read by broadcast.
+// The exponentials are the bound (special-function units): a quarter of them run on the FMA pipes.
 constexpr int kTileChannels = 128;
 constexpr int kTiledStates = 16;
 constexpr int kPolyStates = 4;
 
-// Steps per tile, and a row pitch of an odd number of 4-byte words (17), so that the 32 threads of
+// S steps per tile (64 bytes of a row), and a row pitch of 17 words, odd, so that the 32 threads of
 // a warp reading one step of their own rows hit 32 different banks.
 template <typename T> struct Tile {
     static constexpr int kSteps = 64 / sizeof(T);
     static constexpr int kPitch = kSteps + 4 / sizeof(T);
+    static constexpr int kVecElems = 16 / sizeof(T);                              // per 16-byte vector
+    static constexpr int kVecsPerThread = kTileChannels * kSteps / kVecElems / kTileChannels;  // 4
 };
 
-__device__ __forceinline__ float softplus_fast(float x) { return x > 20.f ? x : __logf(1.f + __expf(x)); }
-__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.f + __expf(-x)); }
-
-// Copies the [channels x steps] tile at (row0 = first channel, l0) between global and shared memory,
-// walking the global array along its contiguous axis.
-template <bool kLoad, typename T>
-__device__ __forceinline__ void copy_tile(T* tile, T* global, const SelectiveScanFwdParams& p, int64_t base,
-                                          int64_t l0, int rows, int steps) {
-    constexpr int S = Tile<T>::kSteps, P = Tile<T>::kPitch;
-    const bool time_contiguous = p.x_stride_seq == 1;
-    for (int i = threadIdx.x; i < kTileChannels * S; i += blockDim.x) {
-        const int row = time_contiguous ? i / S : i % kTileChannels;
-        const int t = time_contiguous ? i % S : i / kTileChannels;
-        const bool in = row < rows && t < steps;
-        const int64_t g = base + row * p.x_stride_dim + (l0 + t) * p.x_stride_seq;
-        if (kLoad) {
-            tile[row * P + t] = in ? global[g] : from_f32<T>(0.f);
-        } else if (in) {
-            global[g] = tile[row * P + t];
+// Where thread `i` reads and writes its share of a [128 channels x S steps] tile, as vectors of
+// E = 16 / sizeof(T) elements along the contiguous axis: with time contiguous ("bdl") vector v covers
+// steps (v % (S/E)) * E .. + E of row v / (S/E); with channels contiguous ("bld") it covers rows
+// (v % (128/E)) * E .. + E at step v / (128/E). v = k * 128 + i, k < 4.
+template <typename T> struct TileMap {
+    static constexpr int S = Tile<T>::kSteps, E = Tile<T>::kVecElems;
+    int row[Tile<T>::kVecsPerThread], t[Tile<T>::kVecsPerThread];
+    __device__ __forceinline__ TileMap(bool time_contiguous) {
+#pragma unroll
+        for (int k = 0; k < Tile<T>::kVecsPerThread; ++k) {
+            const int v = k * kTileChannels + threadIdx.x;
+            row[k] = time_contiguous ? v / (S / E) : (v % (kTileChannels / E)) * E;
+            t[k] = time_contiguous ? (v % (S / E)) * E : v / (kTileChannels / E);
         }
+    }
+};
+
+// One tensor's tile in flight: vectors loaded from global memory, later unpacked into shared memory.
+template <typename T> struct TileRegs {
+    uint4 v[Tile<T>::kVecsPerThread];
+
+    __device__ __forceinline__ void load(const T* g, const SelectiveScanFwdParams& p, const TileMap<T>& m,
+                                         int64_t base, int64_t l0, int rows, int steps) {
+#pragma unroll
+        for (int k = 0; k < Tile<T>::kVecsPerThread; ++k) {
+            const bool in = m.row[k] < rows && m.t[k] < steps;
+            const int64_t at = base + m.row[k] * p.x_stride_dim + (l0 + m.t[k]) * p.x_stride_seq;
+            v[k] = in ? __ldg(reinterpret_cast<const uint4*>(g + at)) : make_uint4(0, 0, 0, 0);
+        }
+    }
+
+    // Unpacks into tile[row * P + t]: whole 4-byte words along the steps (time contiguous), else
+    // single elements down the rows.
+    __device__ __forceinline__ void store_shared(T* tile, const TileMap<T>& m, bool time_contiguous) const {
+        constexpr int P = Tile<T>::kPitch, E = Tile<T>::kVecElems;
+#pragma unroll
+        for (int k = 0; k < Tile<T>::kVecsPerThread; ++k) {
+            const T* e = reinterpret_cast<const T*>(&v[k]);
+            if (time_contiguous) {
+                uint32_t* w = reinterpret_cast<uint32_t*>(tile + m.row[k] * P + m.t[k]);
+                w[0] = v[k].x, w[1] = v[k].y, w[2] = v[k].z, w[3] = v[k].w;
+            } else {
+#pragma unroll
+                for (int j = 0; j < E; ++j) tile[(m.row[k] + j) * P + m.t[k]] = e[j];
+            }
+        }
+    }
+};
+
+// Writes the output tile from shared memory with 16-byte global stores.
+template <typename T>
+__device__ __forceinline__ void store_tile(T* g, const T* tile, const SelectiveScanFwdParams& p, const TileMap<T>& m,
+                                           bool time_contiguous, int64_t base, int64_t l0, int rows, int steps) {
+    constexpr int P = Tile<T>::kPitch, E = Tile<T>::kVecElems;
+#pragma unroll
+    for (int k = 0; k < Tile<T>::kVecsPerThread; ++k) {
+        if (!(m.row[k] < rows && m.t[k] < steps)) continue;
+        uint4 v;
+        if (time_contiguous) {
+            const uint32_t* w = reinterpret_cast<const uint32_t*>(tile + m.row[k] * P + m.t[k]);
+            v = make_uint4(w[0], w[1], w[2], w[3]);
+        } else {
+            T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+            for (int j = 0; j < E; ++j) e[j] = tile[(m.row[k] + j) * P + m.t[k]];
+        }
+        *reinterpret_cast<uint4*>(g + base + m.row[k] * p.x_stride_dim + (l0 + m.t[k]) * p.x_stride_seq) = v;
     }
 }
 
 template <typename T, typename TB, bool kVaryingBC>
 __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdParams& p) {
     constexpr int N = kTiledStates, S = Tile<T>::kSteps, P = Tile<T>::kPitch;
-    __shared__ T s_u[kTileChannels * P];  // u in, then out
-    __shared__ T s_dt[kTileChannels * P];
-    __shared__ T s_z[kTileChannels * P];
-    __shared__ __align__(16) float s_B[kVaryingBC ? S * N : 1];
-    __shared__ __align__(16) float s_C[kVaryingBC ? S * N : 1];
+    constexpr int kBCPerThread = kVaryingBC ? S * N / kTileChannels : 1;
+    __shared__ __align__(16) T s_u[kTileChannels * P];  // u in, then out
+    __shared__ __align__(16) T s_dt[kTileChannels * P];
+    __shared__ __align__(16) T s_z[kTileChannels * P];
+    __shared__ __align__(16) float s_B[kVaryingBC ? S * N : 4];
+    __shared__ __align__(16) float s_C[kVaryingBC ? S * N : 4];
 
     const int c = threadIdx.x;
     const int64_t b = blockIdx.y;
@@ -188,29 +240,55 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     const float bias = active && p.delta_bias ? p.delta_bias[d] : 0.f;
     const float skip = active && p.D ? p.D[d] : 0.f;
     const bool has_z = p.z != nullptr;
+    const bool time_contiguous = p.x_stride_seq == 1;
+    const bool bc_time_contiguous = p.bc_stride_seq == 1;
     const int64_t x_base = b * p.x_stride_batch + d0 * p.x_stride_dim;
-    T* u = const_cast<T*>(static_cast<const T*>(p.u));
-    T* delta = const_cast<T*>(static_cast<const T*>(p.delta));
-    T* z = const_cast<T*>(static_cast<const T*>(p.z));
+    const T* u = static_cast<const T*>(p.u);
+    const T* delta = static_cast<const T*>(p.delta);
+    const T* z = static_cast<const T*>(p.z);
     T* out = static_cast<T*>(p.out);
+    const TileMap<T> map(time_contiguous);
 
-    for (int64_t l0 = 0; l0 < p.seqlen; l0 += S) {
+    // The next tile, in flight while the current one is computed.
+    TileRegs<T> next_u, next_dt, next_z;
+    TB next_B[kBCPerThread], next_C[kBCPerThread];
+    auto fetch = [&](int64_t l0) {
         const int steps = int(min(int64_t(S), p.seqlen - l0));
-        copy_tile<true>(s_u, u, p, x_base, l0, rows, steps);
-        copy_tile<true>(s_dt, delta, p, x_base, l0, rows, steps);
-        if (has_z) copy_tile<true>(s_z, z, p, x_base, l0, rows, steps);
+        next_u.load(u, p, map, x_base, l0, rows, steps);
+        next_dt.load(delta, p, map, x_base, l0, rows, steps);
+        if (has_z) next_z.load(z, p, map, x_base, l0, rows, steps);
         if constexpr (kVaryingBC) {
-            const bool time_contiguous = p.bc_stride_seq == 1;
-            for (int i = threadIdx.x; i < S * N; i += blockDim.x) {
-                const int n = time_contiguous ? i / S : i % N;
-                const int t = time_contiguous ? i % S : i / N;
+#pragma unroll
+            for (int k = 0; k < kBCPerThread; ++k) {
+                const int i = k * kTileChannels + threadIdx.x;
+                const int n = bc_time_contiguous ? i / S : i % N;
+                const int t = bc_time_contiguous ? i % S : i / N;
                 const bool in = n < p.dstate && t < steps;
                 const int64_t g = bc_base + n * p.bc_stride_state + (l0 + t) * p.bc_stride_seq;
-                s_B[t * N + n] = in ? to_f32(Bm[g]) : 0.f;
-                s_C[t * N + n] = in ? to_f32(Cm[g]) : 0.f;
+                next_B[k] = in ? Bm[g] : from_f32<TB>(0.f);
+                next_C[k] = in ? Cm[g] : from_f32<TB>(0.f);
+            }
+        }
+    };
+
+    if (p.seqlen > 0) fetch(0);
+    for (int64_t l0 = 0; l0 < p.seqlen; l0 += S) {
+        const int steps = int(min(int64_t(S), p.seqlen - l0));
+        next_u.store_shared(s_u, map, time_contiguous);
+        next_dt.store_shared(s_dt, map, time_contiguous);
+        if (has_z) next_z.store_shared(s_z, map, time_contiguous);
+        if constexpr (kVaryingBC) {
+#pragma unroll
+            for (int k = 0; k < kBCPerThread; ++k) {
+                const int i = k * kTileChannels + threadIdx.x;
+                const int n = bc_time_contiguous ? i / S : i % N;
+                const int t = bc_time_contiguous ? i % S : i / N;
+                s_B[t * N + n] = to_f32(next_B[k]);
+                s_C[t * N + n] = to_f32(next_C[k]);
             }
         }
         __syncthreads();
+        if (l0 + S < p.seqlen) fetch(l0 + S);
 
         for (int t = 0; t < steps; ++t) {
             const float ul = to_f32(s_u[c * P + t]);
@@ -230,20 +308,20 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
 #pragma unroll
                 for (int n = 0; n < N; ++n) Bt[n] = b_inv[n], Ct[n] = c_inv[n];
             }
-            float y = 0.f;
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};  // four short chains instead of one of 16 FMAs
 #pragma unroll
             for (int n = 0; n < N; ++n) {
                 const float x = dt * a2[n];
-                const float decay = n < kPolyStates ? exp2_fma(x) : exp2f(x);
+                const float decay = n < kPolyStates ? exp2_fma(x) : ex2_ftz(x);
                 h[n] = fmaf(decay, h[n], dtu * Bt[n]);
-                y = fmaf(Ct[n], h[n], y);
+                acc[n % 4] = fmaf(Ct[n], h[n], acc[n % 4]);
             }
-            y = fmaf(skip, ul, y);
+            float y = fmaf(skip, ul, (acc[0] + acc[1]) + (acc[2] + acc[3]));
             if (has_z) y *= silu_fast(to_f32(s_z[c * P + t]));
             s_u[c * P + t] = from_f32<T>(y);
         }
         __syncthreads();
-        copy_tile<false>(s_u, out, p, x_base, l0, rows, steps);
+        store_tile(out, s_u, p, map, time_contiguous, x_base, l0, rows, steps);
         __syncthreads();
     }
     if (active) {

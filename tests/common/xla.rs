@@ -318,6 +318,8 @@ pub enum Attr {
 
 /// Everything a call frame points at, owned, at stable addresses. Build with [`Frame::new`], tweak
 /// the public `raw` frame if a test needs to, pass [`Frame::ptr`] to a handler.
+// The boxes are what keeps addresses stable while the vectors holding them grow.
+#[allow(clippy::vec_box)]
 pub struct Frame {
     pub raw: Box<CallFrame>,
     pub api: Box<Api>,
@@ -333,6 +335,7 @@ pub struct Frame {
     _attr_name_ptrs: Vec<*mut ByteSpan>,
     _attr_ptrs: Vec<*mut c_void>,
     _attr_bytes: Vec<Vec<u8>>,
+    _attr_words: Vec<Vec<u64>>,
     _attr_spans: Vec<Box<ByteSpan>>,
     _attr_scalars: Vec<Box<Scalar>>,
 }
@@ -369,6 +372,7 @@ impl Frame {
         let mut sorted: Vec<&(&str, Attr)> = attrs.iter().collect();
         sorted.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
         let mut attr_bytes: Vec<Vec<u8>> = Vec::new();
+        let mut attr_words: Vec<Vec<u64>> = Vec::new();
         let mut attr_types = Vec::new();
         let mut attr_names = Vec::new();
         let mut attr_spans = Vec::new();
@@ -396,13 +400,14 @@ impl Frame {
                     attr_types.push(ATTR_SCALAR);
                 }
                 Attr::Scalar(dtype, raw) => {
-                    // 8-byte aligned copy of the value.
-                    let mut bytes = raw.clone();
-                    bytes.reserve_exact(8);
-                    let mut scalar = Box::new(Scalar { dtype: *dtype, value: bytes.as_mut_ptr() as *mut c_void });
+                    // An 8-byte aligned copy of the value.
+                    let mut words = vec![0u64; raw.len().div_ceil(8).max(1)];
+                    // SAFETY: `words` holds at least raw.len() bytes.
+                    unsafe { std::ptr::copy_nonoverlapping(raw.as_ptr(), words.as_mut_ptr() as *mut u8, raw.len()) };
+                    let mut scalar = Box::new(Scalar { dtype: *dtype, value: words.as_mut_ptr() as *mut c_void });
                     attr_ptrs.push(&mut *scalar as *mut Scalar as *mut c_void);
                     attr_scalars.push(scalar);
-                    attr_bytes.push(bytes);
+                    attr_words.push(words);
                     attr_types.push(ATTR_SCALAR);
                 }
             }
@@ -455,6 +460,7 @@ impl Frame {
             _attr_name_ptrs: attr_name_ptrs,
             _attr_ptrs: attr_ptrs,
             _attr_bytes: attr_bytes,
+            _attr_words: attr_words,
             _attr_spans: attr_spans,
             _attr_scalars: attr_scalars,
         }

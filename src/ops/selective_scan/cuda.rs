@@ -1,6 +1,7 @@
 //! The CUDA launch of the forward scan (kernels/selective_scan_fwd.cu), which picks one of two kernels:
 //! - `tiled`: one thread per channel, all states in registers, tiles through shared memory. For
-//!   dstate <= 16, one B/C group per 128-channel tile, and enough tiles to fill the GPU.
+//!   dstate <= 16, one B/C group per 128-channel tile, 16-byte aligned rows (seqlen, or dim when
+//!   channel-last, a multiple of 8 / 4 elements for 2- / 4-byte types), and enough tiles to fill the GPU.
 //! - `lanes`: 1..32 lanes per channel with 8 states each; any dstate up to 256, any groups, and more
 //!   threads for small problems.
 //!
@@ -38,8 +39,13 @@ fn lanes_per_channel(dstate: i64) -> i64 {
 
 fn tiled_supported(fwd: &Fwd) -> bool {
     let p = &fwd.params;
+    // Tiles move 16-byte vectors along the contiguous axis of u, delta, z and out.
+    let vec_elems = 16 / if fwd.dtype == crate::DType::F32 { 4 } else { 2 };
+    let contiguous_len = if p.x_stride_seq == 1 { p.seqlen } else { p.dim };
+    let aligned = [p.u, p.delta, p.z, p.out as *const c_void].iter().all(|&ptr| ptr as usize % 16 == 0);
+    let vectorizable = aligned && contiguous_len % vec_elems == 0;
     let one_group_per_tile = !fwd.bc_time_varying || p.dim_per_group == p.dim || p.dim_per_group % TILE_CHANNELS == 0;
-    p.dstate <= TILED_MAX_DSTATE && one_group_per_tile && p.batch <= u16::MAX as i64
+    vectorizable && p.dstate <= TILED_MAX_DSTATE && one_group_per_tile && p.batch <= u16::MAX as i64
 }
 
 pub(super) fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {

@@ -1,0 +1,193 @@
+//! The C API: a C program (tests/c/selective_scan_host.c) compiled with the system C compiler against
+//! include/xla_ssm.h and linked to the cdylib, run and checked; plus the host entry point called from
+//! Rust for the dtypes the C program does not cover.
+#![cfg(target_os = "linux")]
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use xla_ssm::capi::*;
+
+/// The directory holding libxla_ssm.so. In a cargo build the test executable lives in
+/// `<target>/<profile>/deps/` and the cdylib in `<target>/<profile>/` (this follows CARGO_TARGET_DIR
+/// and the profile); a bundle of test executables (scripts/gpu-bundle.sh) keeps it one level up or
+/// names it in XLA_SSM_LIBRARY.
+fn library_dir() -> PathBuf {
+    let lib = "libxla_ssm.so";
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut candidates: Vec<PathBuf> = exe.ancestors().skip(1).take(2).map(Path::to_path_buf).collect();
+    if let Some(dir) = std::env::var_os("XLA_SSM_LIBRARY").and_then(|p| Some(PathBuf::from(p).parent()?.to_path_buf()))
+    {
+        candidates.push(dir);
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
+    candidates.push(target.join(if cfg!(debug_assertions) { "debug" } else { "release" }));
+    candidates
+        .iter()
+        .find(|d| d.join(lib).exists())
+        .unwrap_or_else(|| panic!("{lib} not found in any of {candidates:?}"))
+        .clone()
+}
+
+/// The header and the C source, as of this test's build (so the test needs no source tree to run).
+const HEADER: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/include/xla_ssm.h"));
+const C_SOURCE: &str = include_str!("c/selective_scan_host.c");
+
+#[test]
+fn c_program_against_the_header_and_the_cdylib() {
+    let mut work = Path::new(env!("CARGO_TARGET_TMPDIR")).join("c_api");
+    if std::fs::create_dir_all(&work).is_err() {
+        work = std::env::temp_dir().join(format!("xla_ssm_c_api_{}", std::process::id()));
+        std::fs::create_dir_all(&work).unwrap();
+    }
+    std::fs::create_dir_all(work.join("include")).unwrap();
+    std::fs::write(work.join("include/xla_ssm.h"), HEADER).unwrap();
+    let source = work.join("selective_scan_host.c");
+    std::fs::write(&source, C_SOURCE).unwrap();
+    let lib_dir = library_dir();
+    let target = format!("{}-unknown-linux-gnu", std::env::consts::ARCH);
+    let compiler = cc::Build::new()
+        .opt_level(0)
+        .debug(false)
+        .target(&target)
+        .host(&target)
+        .cargo_metadata(false)
+        .out_dir(&work)
+        .get_compiler();
+    let exe = work.join("selective_scan_host");
+    let mut cmd = compiler.to_command();
+    cmd.args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic"])
+        .arg("-I")
+        .arg(work.join("include"))
+        .arg(&source)
+        .arg("-o")
+        .arg(&exe)
+        .arg(format!("-L{}", lib_dir.display()))
+        .arg("-lxla_ssm")
+        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
+        .arg("-lm");
+    let built = cmd.output().unwrap_or_else(|e| panic!("could not run the C compiler {cmd:?}: {e}"));
+    assert!(
+        built.status.success(),
+        "compiling tests/c/selective_scan_host.c failed:\n{cmd:?}\n{}{}",
+        String::from_utf8_lossy(&built.stdout),
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let run = Command::new(&exe).output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    print!("{stdout}");
+    assert!(run.status.success(), "{} exited with {}:\n{stdout}{stderr}", exe.display(), run.status);
+    assert!(stdout.lines().any(|l| l == "c api ok"), "no \"c api ok\" in:\n{stdout}{stderr}");
+    assert!(stdout.contains(&format!("xla_ssm {}", env!("CARGO_PKG_VERSION"))), "{stdout}");
+}
+
+fn last_error() -> String {
+    // SAFETY: a NUL-terminated string owned by the library, valid until the next call.
+    unsafe { std::ffi::CStr::from_ptr(xla_ssm_last_error()) }.to_string_lossy().into_owned()
+}
+
+/// The host entry point with bf16/f16 data and both layouts, against the reference.
+#[test]
+fn host_entry_point_all_dtypes() {
+    for (dtype, bc_dtype, layout, groups) in [
+        (Dt::BF16, Dt::BF16, Layout::Bld, 2),
+        (Dt::BF16, Dt::F32, Layout::Bdl, 0),
+        (Dt::F16, Dt::F16, Layout::Bdl, 1),
+        (Dt::F16, Dt::F32, Layout::Bld, 4),
+        (Dt::F32, Dt::F32, Layout::Bld, 0),
+    ] {
+        let case = Case { dtype, bc_dtype, layout, groups, ..Case::new(2, 8, 37, 16).all_optional() };
+        let p = Problem::random(&case);
+        let r = p.reference();
+        let mut call = HostCall::new(&p);
+        let ptr = |call: &mut HostCall, name: &str| {
+            call.args.iter_mut().find(|(o, _)| o.name == name).map_or(std::ptr::null_mut(), |(_, h)| h.ptr())
+        };
+        let args = XlaSsmSelectiveScanFwdArgs {
+            batch: case.batch as i64,
+            dim: case.dim as i64,
+            seqlen: case.seqlen as i64,
+            dstate: case.dstate as i64,
+            groups: case.groups as i64,
+            dtype: dtype.capi(),
+            bc_dtype: bc_dtype.capi(),
+            layout: layout.capi(),
+            delta_softplus: case.softplus,
+            u: ptr(&mut call, "u"),
+            delta: ptr(&mut call, "delta"),
+            a: ptr(&mut call, "A") as *const f32,
+            b: ptr(&mut call, "B"),
+            c: ptr(&mut call, "C"),
+            d: ptr(&mut call, "D") as *const f32,
+            z: ptr(&mut call, "z"),
+            delta_bias: ptr(&mut call, "delta_bias") as *const f32,
+            initial_state: ptr(&mut call, "initial_state") as *const f32,
+            out: call.rets[0].1.ptr(),
+            final_state: call.rets[1].1.ptr() as *mut f32,
+        };
+        // SAFETY: host buffers of the described sizes.
+        let status = unsafe { xla_ssm_selective_scan_fwd_host(&args) };
+        assert_eq!(status, XLA_SSM_OK, "{}", last_error());
+        assert_eq!(last_error(), "");
+        let (out, state) = call.outputs(&case);
+        check_outputs(&p, &r, &out, &state);
+
+        // A bad call names what is wrong, and leaves the results alone.
+        let mut bad = args;
+        bad.bc_dtype = if dtype == Dt::BF16 { Dt::F16.capi() } else { Dt::BF16.capi() };
+        let before = call.rets[0].1.bytes().to_vec();
+        // SAFETY: as above.
+        assert_eq!(unsafe { xla_ssm_selective_scan_fwd_host(&bad) }, XLA_SSM_INVALID_ARGUMENT);
+        assert!(last_error().contains("`B`"), "{}", last_error());
+        assert_eq!(call.rets[0].1.bytes(), &before[..]);
+    }
+}
+
+/// Without CUDA the device entry point refuses cleanly (a CUDA error or, without the `cuda`
+/// feature, UNIMPLEMENTED), after validating.
+#[test]
+fn cuda_launch_without_cuda() {
+    if xla_ssm_cuda_device_count() > 0 {
+        println!("skipped: a CUDA device is present (tests/ffi_cuda.rs covers it)");
+        return;
+    }
+    let case = Case::new(1, 2, 3, 4);
+    let p = Problem::random(&case);
+    let mut call = HostCall::new(&p);
+    let mut args = XlaSsmSelectiveScanFwdArgs {
+        batch: 1,
+        dim: 2,
+        seqlen: 3,
+        dstate: 4,
+        groups: 1,
+        dtype: XLA_SSM_F32,
+        bc_dtype: XLA_SSM_F32,
+        layout: XLA_SSM_LAYOUT_BDL,
+        delta_softplus: true,
+        u: call.args[0].1.ptr(),
+        delta: call.args[1].1.ptr(),
+        a: call.args[2].1.ptr() as *const f32,
+        b: call.args[3].1.ptr(),
+        c: call.args[4].1.ptr(),
+        d: std::ptr::null(),
+        z: std::ptr::null(),
+        delta_bias: std::ptr::null(),
+        initial_state: std::ptr::null(),
+        out: call.rets[0].1.ptr(),
+        final_state: call.rets[1].1.ptr() as *mut f32,
+    };
+    // SAFETY: never dereferenced without a device (the call fails first).
+    let status = unsafe { xla_ssm_selective_scan_fwd_cuda_launch(&args, std::ptr::null_mut()) };
+    let want = if cfg!(feature = "cuda") { XLA_SSM_CUDA_ERROR } else { XLA_SSM_UNIMPLEMENTED };
+    assert_eq!(status, want, "{}", last_error());
+    assert!(!last_error().is_empty());
+    args.layout = 5;
+    // SAFETY: as above.
+    let status = unsafe { xla_ssm_selective_scan_fwd_cuda_launch(&args, std::ptr::null_mut()) };
+    assert_eq!(status, XLA_SSM_INVALID_ARGUMENT);
+    assert!(last_error().contains("layout"), "{}", last_error());
+}
