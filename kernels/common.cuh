@@ -26,11 +26,6 @@ __device__ __forceinline__ float ex2_ftz(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-__device__ __forceinline__ float lg2_ftz(float x) {
-    float y;
-    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 // softplus(x) = ln(1 + e^x) and silu(x) = x / (1 + e^-x) on the special-function units. softplus
 // takes log1pf, not lg2(1 + e^x): rounding 1 + e^x drops e^x's low digits, which for dt ~ 1e-4
 // (x ~ -9) left dt with a 5e-4 relative error (tests: tiny_dt_f32).
