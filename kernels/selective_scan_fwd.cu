@@ -114,36 +114,51 @@ SSF_ALL_NS(f16, f16)
 SSF_ALL_NS(f16, f32)
 
 // ---------------------------------------------------------------------------------------------
-// Tiled kernel for dstate <= 16 and many channels: one thread per channel with all its states in
-// registers, so the per-element work is the recurrence alone (no shuffles). A block scans 128
-// channels of one batch row, a tile of S steps at a time: u, delta and z pass through shared memory
-// (coalesced 16-byte global accesses in either layout, the next tile's loads in flight in registers
-// while this one is computed), B/C (one group per block) are staged as f32 and read by broadcast.
-// The exponentials are the bound (special-function units): a quarter of them run on the FMA pipes.
-constexpr int kTileChannels = 128;
-constexpr int kTiledStates = 16;
-constexpr int kPolyStates = 4;
+// Tiled kernel for dstate <= 16 and many channels. A block scans 128 channels of one batch row with
+// 256 threads: two per channel, each holding 8 of its states in registers, so the per-element work
+// is the recurrence alone and a step ends with one shuffle. The sequence goes through in tiles of S
+// steps: u, delta and z pass through shared memory (coalesced 16-byte global accesses in either
+// layout; the next tile's loads are in flight in registers while this one is computed), dt =
+// softplus(delta + bias) and the gate silu(z) are computed once per tile for all its steps (the
+// independent work, off the recurrence's critical path), and B/C (one group per block) are staged as
+// f32 and read by broadcast. The exponentials bound the kernel (special-function units); some of
+// them can run on the FMA pipes (SSF_POLY_STATES per thread).
 
-// S steps per tile (64 bytes of a row), and a row pitch of 17 words, odd, so that the 32 threads of
-// a warp reading one step of their own rows hit 32 different banks.
+// Tuning knobs (bench/fwd_variants.sh builds variants with -D to compare them on a GPU).
+#ifndef SSF_POLY_STATES
+#define SSF_POLY_STATES 0
+#endif
+constexpr int kTileChannels = 128;
+constexpr int kThreadsPerChannel = 2;
+constexpr int kTiledThreads = kTileChannels * kThreadsPerChannel;
+constexpr int kTiledStates = 16;
+constexpr int kThreadStates = kTiledStates / kThreadsPerChannel;
+constexpr int kPolyStates = SSF_POLY_STATES;
+
+// S steps per tile (64 bytes of a row), and row pitches of an odd number of 4-byte words, so that
+// threads reading one step of different rows hit different banks.
 template <typename T> struct Tile {
     static constexpr int kSteps = 64 / sizeof(T);
-    static constexpr int kPitch = kSteps + 4 / sizeof(T);
-    static constexpr int kVecElems = 16 / sizeof(T);                              // per 16-byte vector
-    static constexpr int kVecsPerThread = kTileChannels * kSteps / kVecElems / kTileChannels;  // 4
+    static constexpr int kPitch = kSteps + 4 / sizeof(T);  // elements of T: 17 words
+    static constexpr int kPitchF32 = kSteps + 1;           // f32 rows
+    static constexpr int kVecElems = 16 / sizeof(T);       // per 16-byte vector
+    static constexpr int kVecsPerThread = kTileChannels * kSteps / kVecElems / kTiledThreads;  // 2
+    // Dynamic shared memory: u (then out), delta, z tiles; f32 dt and gate; f32 B and C.
+    static constexpr int kSharedBytes =
+        3 * kTileChannels * kPitch * sizeof(T) + 2 * kTileChannels * kPitchF32 * 4 + 2 * kSteps * kTiledStates * 4;
 };
 
 // Where thread `i` reads and writes its share of a [128 channels x S steps] tile, as vectors of
 // E = 16 / sizeof(T) elements along the contiguous axis: with time contiguous ("bdl") vector v covers
 // steps (v % (S/E)) * E .. + E of row v / (S/E); with channels contiguous ("bld") it covers rows
-// (v % (128/E)) * E .. + E at step v / (128/E). v = k * 128 + i, k < 4.
+// (v % (128/E)) * E .. + E at step v / (128/E). v = k * 256 + i.
 template <typename T> struct TileMap {
     static constexpr int S = Tile<T>::kSteps, E = Tile<T>::kVecElems;
     int row[Tile<T>::kVecsPerThread], t[Tile<T>::kVecsPerThread];
     __device__ __forceinline__ TileMap(bool time_contiguous) {
 #pragma unroll
         for (int k = 0; k < Tile<T>::kVecsPerThread; ++k) {
-            const int v = k * kTileChannels + threadIdx.x;
+            const int v = k * kTiledThreads + threadIdx.x;
             row[k] = time_contiguous ? v / (S / E) : (v % (kTileChannels / E)) * E;
             t[k] = time_contiguous ? (v % (S / E)) * E : v / (kTileChannels / E);
         }
@@ -170,11 +185,11 @@ template <typename T> struct TileRegs {
         constexpr int P = Tile<T>::kPitch, E = Tile<T>::kVecElems;
 #pragma unroll
         for (int k = 0; k < Tile<T>::kVecsPerThread; ++k) {
-            const T* e = reinterpret_cast<const T*>(&v[k]);
             if (time_contiguous) {
                 uint32_t* w = reinterpret_cast<uint32_t*>(tile + m.row[k] * P + m.t[k]);
                 w[0] = v[k].x, w[1] = v[k].y, w[2] = v[k].z, w[3] = v[k].w;
             } else {
+                const T* e = reinterpret_cast<const T*>(&v[k]);
 #pragma unroll
                 for (int j = 0; j < E; ++j) tile[(m.row[k] + j) * P + m.t[k]] = e[j];
             }
@@ -205,15 +220,21 @@ __device__ __forceinline__ void store_tile(T* g, const T* tile, const SelectiveS
 
 template <typename T, typename TB, bool kVaryingBC>
 __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdParams& p) {
-    constexpr int N = kTiledStates, S = Tile<T>::kSteps, P = Tile<T>::kPitch;
-    constexpr int kBCPerThread = kVaryingBC ? S * N / kTileChannels : 1;
-    __shared__ __align__(16) T s_u[kTileChannels * P];  // u in, then out
-    __shared__ __align__(16) T s_dt[kTileChannels * P];
-    __shared__ __align__(16) T s_z[kTileChannels * P];
-    __shared__ __align__(16) float s_B[kVaryingBC ? S * N : 4];
-    __shared__ __align__(16) float s_C[kVaryingBC ? S * N : 4];
+    constexpr int N = kTiledStates, K = kThreadStates, S = Tile<T>::kSteps, P = Tile<T>::kPitch;
+    constexpr int PF = Tile<T>::kPitchF32;
+    constexpr int kBCPerThread = kVaryingBC ? S * N / kTiledThreads : 1;
+    extern __shared__ __align__(16) unsigned char shared[];
+    float* s_B = reinterpret_cast<float*>(shared);  // [S][N]
+    float* s_C = s_B + S * N;
+    float* s_dtf = s_C + S * N;                     // [128][PF]: dt
+    float* s_gate = s_dtf + kTileChannels * PF;     // [128][PF]: silu(z), or 1
+    T* s_u = reinterpret_cast<T*>(s_gate + kTileChannels * PF);  // [128][P]: u in, out back
+    T* s_delta = s_u + kTileChannels * P;
+    T* s_z = s_delta + kTileChannels * P;
 
-    const int c = threadIdx.x;
+    const int c = threadIdx.x / kThreadsPerChannel;  // channel in the tile
+    const int half = threadIdx.x % kThreadsPerChannel;
+    const int n0 = half * K;  // first of this thread's states
     const int64_t b = blockIdx.y;
     const int64_t d0 = int64_t(blockIdx.x) * kTileChannels;
     const int64_t d = d0 + c;
@@ -226,15 +247,16 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     const int64_t bc_base = kVaryingBC ? b * p.bc_stride_batch + (d0 / p.dim_per_group) * p.bc_stride_group
                                        : d * p.bc_stride_group;
 
-    float a2[N], h[N], b_inv[kVaryingBC ? 1 : N], c_inv[kVaryingBC ? 1 : N];
+    float a2[K], h[K], b_inv[kVaryingBC ? 1 : K], c_inv[kVaryingBC ? 1 : K];
 #pragma unroll
-    for (int n = 0; n < N; ++n) {
+    for (int k = 0; k < K; ++k) {
+        const int n = n0 + k;
         const bool valid = active && n < p.dstate;
-        a2[n] = valid ? p.A[d * p.dstate + n] * kLog2e : 0.f;
-        h[n] = valid && p.initial_state ? p.initial_state[state_base + n] : 0.f;
+        a2[k] = valid ? p.A[d * p.dstate + n] * kLog2e : 0.f;
+        h[k] = valid && p.initial_state ? p.initial_state[state_base + n] : 0.f;
         if constexpr (!kVaryingBC) {
-            b_inv[n] = valid ? to_f32(Bm[bc_base + n * p.bc_stride_state]) : 0.f;
-            c_inv[n] = valid ? to_f32(Cm[bc_base + n * p.bc_stride_state]) : 0.f;
+            b_inv[k] = valid ? to_f32(Bm[bc_base + n * p.bc_stride_state]) : 0.f;
+            c_inv[k] = valid ? to_f32(Cm[bc_base + n * p.bc_stride_state]) : 0.f;
         }
     }
     const float bias = active && p.delta_bias ? p.delta_bias[d] : 0.f;
@@ -250,19 +272,23 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     const TileMap<T> map(time_contiguous);
 
     // The next tile, in flight while the current one is computed.
-    TileRegs<T> next_u, next_dt, next_z;
+    TileRegs<T> next_u, next_delta, next_z;
     TB next_B[kBCPerThread], next_C[kBCPerThread];
+    auto bc_index = [&](int k, int& n, int& t) {
+        const int i = k * kTiledThreads + threadIdx.x;
+        n = bc_time_contiguous ? i / S : i % N;
+        t = bc_time_contiguous ? i % S : i / N;
+    };
     auto fetch = [&](int64_t l0) {
         const int steps = int(min(int64_t(S), p.seqlen - l0));
         next_u.load(u, p, map, x_base, l0, rows, steps);
-        next_dt.load(delta, p, map, x_base, l0, rows, steps);
+        next_delta.load(delta, p, map, x_base, l0, rows, steps);
         if (has_z) next_z.load(z, p, map, x_base, l0, rows, steps);
         if constexpr (kVaryingBC) {
 #pragma unroll
             for (int k = 0; k < kBCPerThread; ++k) {
-                const int i = k * kTileChannels + threadIdx.x;
-                const int n = bc_time_contiguous ? i / S : i % N;
-                const int t = bc_time_contiguous ? i % S : i / N;
+                int n, t;
+                bc_index(k, n, t);
                 const bool in = n < p.dstate && t < steps;
                 const int64_t g = bc_base + n * p.bc_stride_state + (l0 + t) * p.bc_stride_seq;
                 next_B[k] = in ? Bm[g] : from_f32<TB>(0.f);
@@ -275,14 +301,13 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     for (int64_t l0 = 0; l0 < p.seqlen; l0 += S) {
         const int steps = int(min(int64_t(S), p.seqlen - l0));
         next_u.store_shared(s_u, map, time_contiguous);
-        next_dt.store_shared(s_dt, map, time_contiguous);
+        next_delta.store_shared(s_delta, map, time_contiguous);
         if (has_z) next_z.store_shared(s_z, map, time_contiguous);
         if constexpr (kVaryingBC) {
 #pragma unroll
             for (int k = 0; k < kBCPerThread; ++k) {
-                const int i = k * kTileChannels + threadIdx.x;
-                const int n = bc_time_contiguous ? i / S : i % N;
-                const int t = bc_time_contiguous ? i % S : i / N;
+                int n, t;
+                bc_index(k, n, t);
                 s_B[t * N + n] = to_f32(next_B[k]);
                 s_C[t * N + n] = to_f32(next_C[k]);
             }
@@ -290,35 +315,65 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
         __syncthreads();
         if (l0 + S < p.seqlen) fetch(l0 + S);
 
-        for (int t = 0; t < steps; ++t) {
-            const float ul = to_f32(s_u[c * P + t]);
-            float dt = to_f32(s_dt[c * P + t]) + bias;
+        // Per-step scalars of this tile, all independent: the channel's two threads split the steps.
+#pragma unroll 4
+        for (int j = 0; j < S / kThreadsPerChannel; ++j) {
+            const int t = j * kThreadsPerChannel + half;
+            float dt = to_f32(s_delta[c * P + t]) + bias;
             if (p.delta_softplus) dt = softplus_fast(dt);
-            const float dtu = dt * ul;
-            float Bt[N], Ct[N];
+            s_dtf[c * PF + t] = dt;
+            s_gate[c * PF + t] = has_z ? silu_fast(to_f32(s_z[c * P + t])) : 1.f;
+        }
+        __syncthreads();
+
+        // Software-pipelined over steps: step t + 1's shared-memory reads are issued before step t's
+        // arithmetic, so their latency hides behind it. (Reading one step past the tile stays inside
+        // the padded rows and the shared buffer, and the values are unused.)
+        struct StepIn {
+            float u, dt;
+            float4 b[K / 4], c[K / 4];
+        };
+        auto read_step = [&](int t) {
+            StepIn in;
+            in.u = to_f32(s_u[c * P + t]);
+            in.dt = s_dtf[c * PF + t];
             if constexpr (kVaryingBC) {
 #pragma unroll
-                for (int q = 0; q < N / 4; ++q) {
-                    const float4 bq = reinterpret_cast<const float4*>(s_B + t * N)[q];
-                    const float4 cq = reinterpret_cast<const float4*>(s_C + t * N)[q];
-                    Bt[4 * q] = bq.x, Bt[4 * q + 1] = bq.y, Bt[4 * q + 2] = bq.z, Bt[4 * q + 3] = bq.w;
-                    Ct[4 * q] = cq.x, Ct[4 * q + 1] = cq.y, Ct[4 * q + 2] = cq.z, Ct[4 * q + 3] = cq.w;
+                for (int q = 0; q < K / 4; ++q) {
+                    in.b[q] = reinterpret_cast<const float4*>(s_B + t * N + n0)[q];
+                    in.c[q] = reinterpret_cast<const float4*>(s_C + t * N + n0)[q];
+                }
+            }
+            return in;
+        };
+        StepIn next = read_step(0);
+        for (int t = 0; t < steps; ++t) {
+            const StepIn cur = next;
+            next = read_step(t + 1);
+            const float dtu = cur.dt * cur.u;
+            float Bt[K], Ct[K];
+            if constexpr (kVaryingBC) {
+#pragma unroll
+                for (int q = 0; q < K / 4; ++q) {
+                    Bt[4 * q] = cur.b[q].x, Bt[4 * q + 1] = cur.b[q].y, Bt[4 * q + 2] = cur.b[q].z, Bt[4 * q + 3] = cur.b[q].w;
+                    Ct[4 * q] = cur.c[q].x, Ct[4 * q + 1] = cur.c[q].y, Ct[4 * q + 2] = cur.c[q].z, Ct[4 * q + 3] = cur.c[q].w;
                 }
             } else {
 #pragma unroll
-                for (int n = 0; n < N; ++n) Bt[n] = b_inv[n], Ct[n] = c_inv[n];
+                for (int k = 0; k < K; ++k) Bt[k] = b_inv[k], Ct[k] = c_inv[k];
             }
-            float acc[4] = {0.f, 0.f, 0.f, 0.f};  // four short chains instead of one of 16 FMAs
+            float acc[2] = {0.f, 0.f};
 #pragma unroll
-            for (int n = 0; n < N; ++n) {
-                const float x = dt * a2[n];
-                const float decay = n < kPolyStates ? exp2_fma(x) : ex2_ftz(x);
-                h[n] = fmaf(decay, h[n], dtu * Bt[n]);
-                acc[n % 4] = fmaf(Ct[n], h[n], acc[n % 4]);
+            for (int k = 0; k < K; ++k) {
+                const float x = cur.dt * a2[k];
+                const float decay = k < kPolyStates ? exp2_fma(x) : ex2_ftz(x);
+                h[k] = fmaf(decay, h[k], dtu * Bt[k]);
+                acc[k % 2] = fmaf(Ct[k], h[k], acc[k % 2]);
             }
-            float y = fmaf(skip, ul, (acc[0] + acc[1]) + (acc[2] + acc[3]));
-            if (has_z) y *= silu_fast(to_f32(s_z[c * P + t]));
-            s_u[c * P + t] = from_f32<T>(y);
+            float y = acc[0] + acc[1];
+            y += __shfl_xor_sync(0xffffffffu, y, 1);
+            // Both threads have read u[t] before the shuffle; one writes the output over it.
+            if (half == 0) s_u[c * P + t] = from_f32<T>(fmaf(skip, cur.u, y) * s_gate[c * PF + t]);
         }
         __syncthreads();
         store_tile(out, s_u, p, map, time_contiguous, x_base, l0, rows, steps);
@@ -326,18 +381,19 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     }
     if (active) {
 #pragma unroll
-        for (int n = 0; n < N; ++n)
-            if (n < p.dstate) p.final_state[state_base + n] = h[n];
+        for (int k = 0; k < K; ++k)
+            if (n0 + k < p.dstate) p.final_state[state_base + n0 + k] = h[k];
     }
 }
 
-// selective_scan_fwd_tiled_<T>_<TB>_<varying|invariant>
+// selective_scan_fwd_tiled_<T>_<TB>_<varying|invariant>, launched with kTiledThreads threads and
+// Tile<T>::kSharedBytes of dynamic shared memory; selective_scan_fwd_tiled_smem_<T> reports that size.
 #define SSF_TILED(T, TB)                                                                          \
-    extern "C" __global__ void __launch_bounds__(kTileChannels)                                   \
+    extern "C" __global__ void __launch_bounds__(kTiledThreads)                                   \
         selective_scan_fwd_tiled_##T##_##TB##_varying(const SelectiveScanFwdParams p) {           \
         selective_scan_fwd_tiled<T, TB, true>(p);                                                 \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(kTileChannels)                                   \
+    extern "C" __global__ void __launch_bounds__(kTiledThreads)                                   \
         selective_scan_fwd_tiled_##T##_##TB##_invariant(const SelectiveScanFwdParams p) {         \
         selective_scan_fwd_tiled<T, TB, false>(p);                                                \
     }

@@ -65,8 +65,12 @@ pub fn device_count() -> usize {
 /// (they live as long as the context, which XLA keeps for the process).
 struct Cache {
     modules: HashMap<(usize, &'static str), usize>,
-    functions: HashMap<(usize, String), usize>,
+    /// (function, the dynamic shared memory it was allowed, beyond the default 48 KiB).
+    functions: HashMap<(usize, String), (usize, u32)>,
 }
+
+/// Dynamic shared memory a kernel may take without opting in.
+const DEFAULT_DYNAMIC_SHARED: u32 = 48 * 1024;
 
 static CACHE: Mutex<Option<Cache>> = Mutex::new(None);
 
@@ -103,11 +107,15 @@ impl Drop for ContextGuard {
     }
 }
 
-fn function(ctx: sys::CUcontext, module: &'static str, kernel: &str) -> Result<sys::CUfunction> {
+/// The kernel's handle in `ctx`, allowed at least `shared_bytes` of dynamic shared memory.
+fn function(ctx: sys::CUcontext, module: &'static str, kernel: &str, shared_bytes: u32) -> Result<sys::CUfunction> {
     let mut guard = CACHE.lock().unwrap_or_else(|p| p.into_inner());
     let cache = guard.get_or_insert_with(|| Cache { modules: HashMap::new(), functions: HashMap::new() });
-    if let Some(&f) = cache.functions.get(&(ctx as usize, kernel.to_string())) {
-        return Ok(f as sys::CUfunction);
+    let key = (ctx as usize, kernel.to_string());
+    if let Some(&(f, allowed)) = cache.functions.get(&key) {
+        if shared_bytes <= allowed.max(DEFAULT_DYNAMIC_SHARED) {
+            return Ok(f as sys::CUfunction);
+        }
     }
     let module_handle = match cache.modules.get(&(ctx as usize, module)) {
         Some(&m) => m as sys::CUmodule,
@@ -136,7 +144,20 @@ fn function(ctx: sys::CUcontext, module: &'static str, kernel: &str) -> Result<s
         unsafe { sys::cuModuleGetFunction(&mut f, module_handle, name.as_ptr()) },
         &format!("looking up kernel {kernel}"),
     )?;
-    cache.functions.insert((ctx as usize, kernel.to_string()), f as usize);
+    if shared_bytes > DEFAULT_DYNAMIC_SHARED {
+        // SAFETY: a live function of this context.
+        check(
+            unsafe {
+                sys::cuFuncSetAttribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared_bytes as i32,
+                )
+            },
+            &format!("allowing {kernel} {shared_bytes} bytes of shared memory"),
+        )?;
+    }
+    cache.functions.insert(key, (f as usize, shared_bytes));
     Ok(f)
 }
 
@@ -165,15 +186,17 @@ pub fn multiprocessor_count(stream: *mut c_void) -> Result<i64> {
     Ok(n as i64)
 }
 
-/// Launches `module`'s `kernel` on `stream` with a (x, y) grid and one by-value parameter struct.
-pub fn launch<P>(
-    stream: *mut c_void,
-    module: &'static str,
-    kernel: &str,
-    grid: (u64, u64),
-    block: u32,
-    params: &P,
-) -> Result<()> {
+/// How to launch a kernel: a (x, y) grid of 1-D blocks and their dynamic shared memory.
+#[derive(Debug, Clone, Copy)]
+pub struct LaunchConfig {
+    pub grid: (u64, u64),
+    pub block: u32,
+    pub shared_bytes: u32,
+}
+
+/// Launches `module`'s `kernel` on `stream` with one by-value parameter struct.
+pub fn launch<P>(stream: *mut c_void, module: &'static str, kernel: &str, config: LaunchConfig, params: &P) -> Result<()> {
+    let LaunchConfig { grid, block, shared_bytes } = config;
     if grid.0 == 0 || grid.1 == 0 {
         return Ok(());
     }
@@ -184,7 +207,7 @@ pub fn launch<P>(
     let stream = stream as sys::CUstream;
     let ctx = stream_context(stream)?;
     let _current = ContextGuard::push(ctx)?;
-    let f = function(ctx, module, kernel)?;
+    let f = function(ctx, module, kernel, shared_bytes)?;
     let mut args = [params as *const P as *mut c_void];
     // SAFETY: `P` is the kernel's #[repr(C)] parameter struct, which the kernel reads by value.
     check(
@@ -197,7 +220,7 @@ pub fn launch<P>(
                 block,
                 1,
                 1,
-                0,
+                shared_bytes,
                 stream,
                 args.as_mut_ptr(),
                 std::ptr::null_mut(),

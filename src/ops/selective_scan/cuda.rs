@@ -1,5 +1,5 @@
 //! The CUDA launch of the forward scan (kernels/selective_scan_fwd.cu), which picks one of two kernels:
-//! - `tiled`: one thread per channel, all states in registers, tiles through shared memory. For
+//! - `tiled`: two threads per channel, 8 states each in registers, tiles through shared memory. For
 //!   dstate <= 16, one B/C group per 128-channel tile, 16-byte aligned rows (seqlen, or dim when
 //!   channel-last, a multiple of 8 / 4 elements for 2- / 4-byte types), and enough tiles to fill the GPU.
 //! - `lanes`: 1..32 lanes per channel with 8 states each; any dstate up to 256, any groups, and more
@@ -13,10 +13,22 @@ use crate::error::Result;
 use once_cell::sync::Lazy;
 use std::ffi::c_void;
 
+use crate::cuda::{launch, LaunchConfig};
+
 const LANE_STATES: i64 = 8;
 const LANES_BLOCK: u32 = 128;
+// Mirrors of the tiled kernel's constants (kernels/selective_scan_fwd.cu).
 const TILE_CHANNELS: i64 = 128;
+const TILED_THREADS: u32 = 256;
 const TILED_MAX_DSTATE: i64 = 16;
+
+/// `Tile<T>::kSharedBytes`: u, delta, z tiles of 64-byte rows padded by a word, f32 dt and gate
+/// rows padded by one, f32 B and C.
+fn tiled_shared_bytes(elem_bytes: i64) -> u32 {
+    let steps = 64 / elem_bytes;
+    let pitch = steps + 4 / elem_bytes;
+    (3 * TILE_CHANNELS * pitch * elem_bytes + 2 * TILE_CHANNELS * (steps + 1) * 4 + 2 * steps * TILED_MAX_DSTATE * 4) as u32
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Choice {
@@ -37,10 +49,18 @@ fn lanes_per_channel(dstate: i64) -> i64 {
     (lanes.max(1) as u64).next_power_of_two() as i64
 }
 
+fn elem_bytes(fwd: &Fwd) -> i64 {
+    if fwd.dtype == crate::DType::F32 {
+        4
+    } else {
+        2
+    }
+}
+
 fn tiled_supported(fwd: &Fwd) -> bool {
     let p = &fwd.params;
     // Tiles move 16-byte vectors along the contiguous axis of u, delta, z and out.
-    let vec_elems = 16 / if fwd.dtype == crate::DType::F32 { 4 } else { 2 };
+    let vec_elems = 16 / elem_bytes(fwd);
     let contiguous_len = if p.x_stride_seq == 1 { p.seqlen } else { p.dim };
     let aligned = [p.u, p.delta, p.z, p.out as *const c_void].iter().all(|&ptr| ptr as usize % 16 == 0);
     let vectorizable = aligned && contiguous_len % vec_elems == 0;
@@ -66,12 +86,17 @@ pub(super) fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
     if use_tiled {
         let form = if fwd.bc_time_varying { "varying" } else { "invariant" };
         let kernel = format!("selective_scan_fwd_tiled_{types}_{form}");
-        let grid = (((p.dim + TILE_CHANNELS - 1) / TILE_CHANNELS) as u64, p.batch as u64);
-        crate::cuda::launch(stream, "selective_scan_fwd", &kernel, grid, TILE_CHANNELS as u32, p)
+        let config = LaunchConfig {
+            grid: (((p.dim + TILE_CHANNELS - 1) / TILE_CHANNELS) as u64, p.batch as u64),
+            block: TILED_THREADS,
+            shared_bytes: tiled_shared_bytes(elem_bytes(fwd)),
+        };
+        launch(stream, "selective_scan_fwd", &kernel, config, p)
     } else {
         let ns = lanes_per_channel(p.dstate);
         let kernel = format!("selective_scan_fwd_lanes_{types}_ns{ns}");
-        let grid = ((p.batch * p.dim * ns) as u64).div_ceil(LANES_BLOCK as u64);
-        crate::cuda::launch(stream, "selective_scan_fwd", &kernel, (grid, 1), LANES_BLOCK, p)
+        let blocks = ((p.batch * p.dim * ns) as u64).div_ceil(LANES_BLOCK as u64);
+        let config = LaunchConfig { grid: (blocks, 1), block: LANES_BLOCK, shared_bytes: 0 };
+        launch(stream, "selective_scan_fwd", &kernel, config, p)
     }
 }

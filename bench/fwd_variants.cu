@@ -1,0 +1,114 @@
+// Times build variants of the forward kernels on one shape, without XLA: for tuning on the GPU
+// machine (bench/fwd_variants.sh compiles this file once per set of -D knobs). Checks every
+// variant's output against the `lanes` kernel.
+//   fwd_variants batch dim seqlen dstate layout(bdl|bld) [iters]
+#include "../kernels/selective_scan_fwd.cu"
+
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(x)                                                                      \
+    do {                                                                              \
+        cudaError_t e = (x);                                                          \
+        if (e != cudaSuccess) {                                                       \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
+            exit(1);                                                                  \
+        }                                                                             \
+    } while (0)
+
+__global__ void fill_normalish(bf16* x, int64_t n, uint32_t seed, float scale, float shift) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+        uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+        h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
+        const float r = (h & 0xffffff) / float(1 << 24);  // uniform [0,1)
+        x[i] = __float2bfloat16((r * 2.f - 1.f) * 1.7f * scale + shift);
+    }
+}
+
+int main(int argc, char** argv) {
+    if (argc < 6) return fprintf(stderr, "usage: %s batch dim seqlen dstate bdl|bld [iters]\n", argv[0]), 2;
+    const int64_t B = atoll(argv[1]), D = atoll(argv[2]), L = atoll(argv[3]), N = atoll(argv[4]);
+    const bool bld = argv[5][1] == 'l';
+    const int iters = argc > 6 ? atoi(argv[6]) : 20;
+    const int64_t nx = B * D * L, nbc = B * N * L;
+    bf16 *u, *dt, *z, *out, *out_ref, *Bm, *Cm;
+    float *A, *Dv, *bias, *fs;
+    CHECK(cudaMalloc(&u, nx * 2)); CHECK(cudaMalloc(&dt, nx * 2)); CHECK(cudaMalloc(&z, nx * 2));
+    CHECK(cudaMalloc(&out, nx * 2)); CHECK(cudaMalloc(&out_ref, nx * 2));
+    CHECK(cudaMalloc(&Bm, nbc * 2)); CHECK(cudaMalloc(&Cm, nbc * 2));
+    CHECK(cudaMalloc(&A, D * N * 4)); CHECK(cudaMalloc(&Dv, D * 4)); CHECK(cudaMalloc(&bias, D * 4));
+    CHECK(cudaMalloc(&fs, B * D * N * 4));
+    fill_normalish<<<1024, 256>>>(u, nx, 1, 1.f, 0.f);
+    fill_normalish<<<1024, 256>>>(dt, nx, 2, 0.5f, -3.f);
+    fill_normalish<<<1024, 256>>>(z, nx, 3, 1.f, 0.f);
+    fill_normalish<<<1024, 256>>>(Bm, nbc, 4, 1.f, 0.f);
+    fill_normalish<<<1024, 256>>>(Cm, nbc, 5, 1.f, 0.f);
+    std::vector<float> hA(D * N), hD(D, 1.f), hb(D, 0.f);
+    for (int64_t i = 0; i < D * N; ++i) hA[i] = -float(i % N + 1);
+    CHECK(cudaMemcpy(A, hA.data(), D * N * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(Dv, hD.data(), D * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(bias, hb.data(), D * 4, cudaMemcpyHostToDevice));
+
+    SelectiveScanFwdParams p{};
+    p.u = u, p.delta = dt, p.A = A, p.B = Bm, p.C = Cm, p.D = Dv, p.z = z, p.delta_bias = bias;
+    p.out = out, p.final_state = fs;
+    p.batch = B, p.dim = D, p.seqlen = L, p.dstate = N, p.dim_per_group = D;
+    if (bld) {
+        p.x_stride_batch = L * D, p.x_stride_dim = 1, p.x_stride_seq = D;
+        p.bc_stride_batch = L * N, p.bc_stride_group = N, p.bc_stride_state = 1, p.bc_stride_seq = N;
+    } else {
+        p.x_stride_batch = D * L, p.x_stride_dim = L, p.x_stride_seq = 1;
+        p.bc_stride_batch = N * L, p.bc_stride_group = N * L, p.bc_stride_state = L, p.bc_stride_seq = 1;
+    }
+    p.delta_softplus = 1;
+
+    // Reference: the lanes kernel.
+    SelectiveScanFwdParams pr = p;
+    pr.out = out_ref;
+    const int ns = N <= 8 ? 1 : N <= 16 ? 2 : 4;
+    const int64_t lane_threads = B * D * ns;
+    auto lanes = [&] {
+        const unsigned grid = unsigned((lane_threads + 127) / 128);
+        if (ns == 1) selective_scan_fwd_lanes_bf16_bf16_ns1<<<grid, 128>>>(pr);
+        else if (ns == 2) selective_scan_fwd_lanes_bf16_bf16_ns2<<<grid, 128>>>(pr);
+        else selective_scan_fwd_lanes_bf16_bf16_ns4<<<grid, 128>>>(pr);
+    };
+    const int smem = Tile<bf16>::kSharedBytes;
+    CHECK(cudaFuncSetAttribute(selective_scan_fwd_tiled_bf16_bf16_varying, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    auto tiled = [&] {
+        dim3 grid(unsigned((D + kTileChannels - 1) / kTileChannels), unsigned(B));
+        selective_scan_fwd_tiled_bf16_bf16_varying<<<grid, kTiledThreads, smem>>>(p);
+    };
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0)); CHECK(cudaEventCreate(&e1));
+    auto time_us = [&](auto f) {
+        for (int i = 0; i < 3; ++i) f();
+        CHECK(cudaGetLastError());
+        CHECK(cudaEventRecord(e0));
+        for (int i = 0; i < iters; ++i) f();
+        CHECK(cudaEventRecord(e1));
+        CHECK(cudaEventSynchronize(e1));
+        float ms;
+        CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        return ms * 1000.f / iters;
+    };
+    const float t_lanes = time_us(lanes), t_tiled = time_us(tiled);
+
+    std::vector<uint16_t> a(nx), r(nx);
+    CHECK(cudaMemcpy(a.data(), out, nx * 2, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(r.data(), out_ref, nx * 2, cudaMemcpyDeviceToHost));
+    auto f = [](uint16_t x) { uint32_t w = uint32_t(x) << 16; float v; memcpy(&v, &w, 4); return v; };
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < nx; ++i) num += (f(a[i]) - f(r[i])) * double(f(a[i]) - f(r[i])), den += f(r[i]) * double(f(r[i]));
+    int dev;
+    cudaDeviceProp prop;
+    CHECK(cudaGetDevice(&dev));
+    CHECK(cudaGetDeviceProperties(&prop, dev));
+    // Special-function-unit floor: one ex2 per element at 16 per clock per SM, at 1.755 GHz.
+    const double floor_us = double(nx) * N / (prop.multiProcessorCount * 16.0 * 1.755e9) * 1e6;
+    printf("poly=%d %s B=%lld D=%lld L=%lld N=%lld  tiled %.1f us  lanes %.1f us  exp-floor %.1f us (%.0f%%)  relL2 %.2e\n",
+           SSF_POLY_STATES, bld ? "bld" : "bdl", (long long)B, (long long)D, (long long)L,
+           (long long)N, t_tiled, t_lanes, floor_us, 100.0 * floor_us / t_tiled, sqrt(num / den));
+    return 0;
+}
