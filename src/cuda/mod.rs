@@ -161,31 +161,6 @@ fn function(ctx: sys::CUcontext, module: &'static str, kernel: &str, shared_byte
     Ok(f)
 }
 
-/// Multiprocessors of the device that owns `stream` (cached per context).
-pub fn multiprocessor_count(stream: *mut c_void) -> Result<i64> {
-    static COUNTS: Mutex<Option<HashMap<usize, i64>>> = Mutex::new(None);
-    driver()?;
-    let ctx = stream_context(stream as sys::CUstream)?;
-    let mut counts = COUNTS.lock().unwrap_or_else(|p| p.into_inner());
-    let counts = counts.get_or_insert_with(HashMap::new);
-    if let Some(&n) = counts.get(&(ctx as usize)) {
-        return Ok(n);
-    }
-    let _current = ContextGuard::push(ctx)?;
-    let mut device: sys::CUdevice = 0;
-    // SAFETY: plain queries in a current context.
-    check(unsafe { sys::cuCtxGetDevice(&mut device) }, "cuCtxGetDevice")?;
-    let mut n = 0;
-    check(
-        unsafe {
-            sys::cuDeviceGetAttribute(&mut n, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)
-        },
-        "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)",
-    )?;
-    counts.insert(ctx as usize, n as i64);
-    Ok(n as i64)
-}
-
 /// How to launch a kernel: a (x, y) grid of 1-D blocks and their dynamic shared memory.
 #[derive(Debug, Clone, Copy)]
 pub struct LaunchConfig {
@@ -195,7 +170,13 @@ pub struct LaunchConfig {
 }
 
 /// Launches `module`'s `kernel` on `stream` with one by-value parameter struct.
-pub fn launch<P>(stream: *mut c_void, module: &'static str, kernel: &str, config: LaunchConfig, params: &P) -> Result<()> {
+pub fn launch<P>(
+    stream: *mut c_void,
+    module: &'static str,
+    kernel: &str,
+    config: LaunchConfig,
+    params: &P,
+) -> Result<()> {
     let LaunchConfig { grid, block, shared_bytes } = config;
     if grid.0 == 0 || grid.1 == 0 {
         return Ok(());

@@ -1,12 +1,11 @@
 //! The CUDA launch of the forward scan (kernels/selective_scan_fwd.cu), which picks one of two kernels:
 //! - `tiled`: two threads per channel, 8 states each in registers, tiles through shared memory. For
 //!   dstate <= 16, one B/C group per 128-channel tile, 16-byte aligned rows (seqlen, or dim when
-//!   channel-last, a multiple of 8 / 4 elements for 2- / 4-byte types), and enough tiles to fill the GPU.
-//! - `lanes`: 1..32 lanes per channel with 8 states each; any dstate up to 256, any groups, and more
-//!   threads for small problems.
+//!   channel-last, a multiple of 8 / 4 elements for 2- / 4-byte types).
+//! - `lanes`: 1..32 lanes per channel with 8 states each; any dstate up to 256, any groups, any
+//!   alignment.
 //!
-//! `XLA_SSM_FWD_KERNEL=tiled|lanes` forces a choice where the kernel supports the call (tests use it
-//! to cover both).
+//! The tiled kernel is taken wherever it applies; `XLA_SSM_FWD_KERNEL=lanes` forces the other.
 
 use super::Fwd;
 use crate::error::Result;
@@ -27,18 +26,18 @@ const TILED_MAX_DSTATE: i64 = 16;
 fn tiled_shared_bytes(elem_bytes: i64) -> u32 {
     let steps = 64 / elem_bytes;
     let pitch = steps + 4 / elem_bytes;
-    (3 * TILE_CHANNELS * pitch * elem_bytes + 2 * TILE_CHANNELS * (steps + 1) * 4 + 2 * steps * TILED_MAX_DSTATE * 4) as u32
+    (3 * TILE_CHANNELS * pitch * elem_bytes + 2 * TILE_CHANNELS * (steps + 1) * 4 + 2 * steps * TILED_MAX_DSTATE * 4)
+        as u32
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Choice {
     Auto,
-    Tiled,
     Lanes,
 }
 
+/// `XLA_SSM_FWD_KERNEL=lanes` forces the lanes kernel (tests use it to cover both).
 static FORCED: Lazy<Choice> = Lazy::new(|| match std::env::var("XLA_SSM_FWD_KERNEL").as_deref() {
-    Ok("tiled") => Choice::Tiled,
     Ok("lanes") => Choice::Lanes,
     _ => Choice::Auto,
 });
@@ -74,15 +73,9 @@ pub(super) fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
         return Ok(());
     }
     let types = format!("{}_{}", fwd.dtype.name(), fwd.bc_dtype.name());
-    let tiles = p.batch * ((p.dim + TILE_CHANNELS - 1) / TILE_CHANNELS);
-    let use_tiled = tiled_supported(fwd)
-        && match *FORCED {
-            Choice::Tiled => true,
-            Choice::Lanes => false,
-            // The tiled kernel does the least work per element but has one thread per channel:
-            // take it once there is a tile for every multiprocessor.
-            Choice::Auto => tiles >= crate::cuda::multiprocessor_count(stream)?,
-        };
+    // The tiled kernel is about 4x faster than the lanes kernel at every shape measured (H100,
+    // BENCHMARKS.md), small ones included; lanes covers what tiled does not.
+    let use_tiled = tiled_supported(fwd) && *FORCED != Choice::Lanes;
     if use_tiled {
         let form = if fwd.bc_time_varying { "varying" } else { "invariant" };
         let kernel = format!("selective_scan_fwd_tiled_{types}_{form}");
