@@ -45,6 +45,8 @@ def parse_args(argv=None):
                    help="wall-clock budget: past it, optional baselines are skipped (default 330)")
     p.add_argument("--no-baselines", action="store_true", help="time only our implementation")
     p.add_argument("--no-sweep", action="store_true", help="GPU: skip the batch sweep")
+    p.add_argument("--dry-run", action="store_true",
+                   help="GPU mode's code path on whatever device jax has, with tiny shapes (tests the harness)")
     return p.parse_args(argv)
 
 
@@ -52,7 +54,7 @@ ARGS = parse_args() if __name__ == "__main__" else None
 
 # Environment that must be set before jax/numpy are imported.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # OpenBLAS threads spin and steal the 2 cores
-if ARGS is not None and ARGS.device == "cpu":
+if ARGS is not None and ARGS.device == "cpu" and not ARGS.dry_run:
     os.environ["JAX_PLATFORMS"] = "cpu"
 else:
     # JAX would otherwise take 75% of the GPU up front and leave PyTorch nothing.
@@ -174,6 +176,12 @@ def ref_associative_scan(u, delta, A, B, C, D, z, delta_bias, *, layout):
 
 def ours(u, delta, A, B, C, D, z, delta_bias, *, layout):
     return xla_ssm.selective_scan_fwd(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=True, layout=layout)
+
+
+def rel_l2_device(x, ref):
+    """Relative L2 error computed where the arrays are (f32 sums: plenty for a 2e-2 bound)."""
+    x, ref = jnp.asarray(x, jnp.float32), jnp.asarray(ref, jnp.float32)
+    return float(jnp.linalg.norm(x - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
 
 
 def rel_l2(x, ref):
@@ -394,10 +402,50 @@ GPU_SHAPES = [MAIN, (16, 5120, 2048, 16), (1, 4096, 16384, 16), (1, 1536, 2048, 
 # The official Mamba CUDA kernel (selective_scan_cuda, bf16, channel-first) on an H100, from the issue.
 OFFICIAL_US = {MAIN: 1168, (16, 5120, 2048, 16): 2889, (1, 4096, 16384, 16): 1553, (1, 1536, 2048, 16): 70}
 SWEEP_BATCHES = [1, 2, 4, 8, 16, 32, 64]
+SWEEP_SHAPE = (4096, 2048, 16)  # dim, seqlen, dstate of the sweep
 SWEEP_LAX_SCAN = {1, 8, 64}  # lax.scan is slow; a few points are enough
 BOOST_CLOCK_HZ = 1.755e9  # H100 SXM boost clock, assumed for the exp-unit limit
 EX2_PER_CLK_PER_SM = 16
 GPU_TOL = 2e-2  # relative L2 of bf16 out
+
+
+def _c_args_struct():
+    """ctypes mirror of XlaSsmSelectiveScanFwdArgs, read from include/xla_ssm.h when it is there (so
+    that fields added later are laid out right; they stay 0 / NULL), else the layout known here."""
+    known = [
+        ("batch", ctypes.c_int64), ("dim", ctypes.c_int64), ("seqlen", ctypes.c_int64),
+        ("dstate", ctypes.c_int64), ("groups", ctypes.c_int64), ("dtype", ctypes.c_int32),
+        ("bc_dtype", ctypes.c_int32), ("layout", ctypes.c_int32), ("delta_softplus", ctypes.c_bool),
+    ] + [(name, ctypes.c_void_p) for name in (
+        "u", "delta", "a", "b", "c", "d", "z", "delta_bias", "initial_state", "out", "final_state")]
+    fields = known
+    header = ROOT / "include" / "xla_ssm.h"
+    try:
+        import re
+
+        text = header.read_text()
+        body = re.search(r"typedef struct XlaSsmSelectiveScanFwdArgs\s*\{(.*?)\}\s*XlaSsmSelectiveScanFwdArgs;", text, re.S)
+        ctype = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "uint64_t": ctypes.c_uint64,
+                 "XlaSsmDtype": ctypes.c_int32, "XlaSsmLayout": ctypes.c_int32, "XlaSsmStatus": ctypes.c_int32,
+                 "bool": ctypes.c_bool, "float": ctypes.c_float, "double": ctypes.c_double}
+        parsed = []
+        for decl in re.sub(r"//[^\n]*|/\*.*?\*/", "", body.group(1), flags=re.S).split(";"):
+            decl = decl.strip()
+            if not decl:
+                continue
+            m = re.match(r"(?:const\s+)?(\w+)\s*(\*?)\s*(\w+)$", decl.replace(" *", "*").replace("*", " * ").strip())
+            if m is None:
+                raise ValueError(f"unparsed field {decl!r}")
+            base, star, name = m.groups()
+            parsed.append((name, ctypes.c_void_p if star else ctype[base]))
+        fields = parsed
+    except Exception as e:  # noqa: BLE001
+        log(f"(C API: using the built-in argument layout; could not read {header}: {e})")
+
+    class Args(ctypes.Structure):
+        _fields_ = fields
+
+    return Args
 
 
 class CApi:
@@ -405,19 +453,12 @@ class CApi:
 
     F32, BF16, F16 = 0, 1, 2
 
-    class Args(ctypes.Structure):
-        _fields_ = [
-            ("batch", ctypes.c_int64), ("dim", ctypes.c_int64), ("seqlen", ctypes.c_int64),
-            ("dstate", ctypes.c_int64), ("groups", ctypes.c_int64), ("dtype", ctypes.c_int32),
-            ("bc_dtype", ctypes.c_int32), ("layout", ctypes.c_int32), ("delta_softplus", ctypes.c_bool),
-        ] + [(name, ctypes.c_void_p) for name in (
-            "u", "delta", "a", "b", "c", "d", "z", "delta_bias", "initial_state", "out", "final_state")]
-
     def __init__(self, torch):
         self.torch = torch
         self.lib = xla_ssm.load()
+        self.Args = _c_args_struct()
         self.launch_fn = self.lib.xla_ssm_selective_scan_fwd_cuda_launch
-        self.launch_fn.argtypes = [ctypes.POINTER(CApi.Args), ctypes.c_void_p]
+        self.launch_fn.argtypes = [ctypes.POINTER(self.Args), ctypes.c_void_p]
         self.launch_fn.restype = ctypes.c_int32
         self.lib.xla_ssm_last_error.restype = ctypes.c_char_p
 
@@ -437,11 +478,27 @@ class CApi:
         final = torch.empty((batch, dim, dstate), dtype=torch.float32, device=u.device)
         ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
         self._keep = (t, out, final)
-        args = CApi.Args(
-            batch, dim, seqlen, dstate, groups, code[u.dtype], code[t["B"].dtype], 0 if layout == "bdl" else 1, True,
-            ptr(u), ptr(t["delta"]), ptr(t["A"]), ptr(t["B"]), ptr(t["C"]), ptr(t["D"]), ptr(t["z"]),
-            ptr(t["delta_bias"]), None, ptr(out), ptr(final),
+        values = dict(
+            batch=batch, dim=dim, seqlen=seqlen, dstate=dstate, groups=groups, dtype=code[u.dtype],
+            bc_dtype=code[t["B"].dtype], layout=0 if layout == "bdl" else 1, delta_softplus=True,
+            u=ptr(u), delta=ptr(t["delta"]), a=ptr(t["A"]), b=ptr(t["B"]), c=ptr(t["C"]), d=ptr(t["D"]),
+            z=ptr(t["z"]), delta_bias=ptr(t["delta_bias"]), initial_state=None, out=ptr(out), final_state=ptr(final),
         )
+        names = [f[0] for f in self.Args._fields_]
+        # Scratch that lets the CUDA scan split long sequences of small batch x dim (newer libraries).
+        ws_fn = getattr(self.lib, "xla_ssm_selective_scan_fwd_workspace_bytes", None)
+        if ws_fn is not None and "workspace" in names and "workspace_bytes" in names:
+            ws_fn.argtypes = [ctypes.c_int64] * 4
+            ws_fn.restype = ctypes.c_int64
+            nbytes = int(ws_fn(batch, dim, seqlen, dstate))
+            if nbytes > 0:
+                workspace = torch.empty(nbytes, dtype=torch.uint8, device=u.device)
+                self._keep += (workspace,)
+                values.update(workspace=ptr(workspace), workspace_bytes=nbytes)
+        missing = [k for k in values if k not in names]
+        if missing:
+            raise RuntimeError(f"XlaSsmSelectiveScanFwdArgs has no field(s) {missing}; fields: {names}")
+        args = self.Args(**{k: v for k, v in values.items() if v is not None})
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
         def launch():
@@ -519,7 +576,15 @@ def assoc_bytes(b, d, l, n):
 
 
 def run_gpu(args):
+    global MAIN, GPU_SHAPES, SWEEP_BATCHES, SWEEP_SHAPE
     devs = [d for d in jax.devices() if d.platform == "gpu"]
+    if args.dry_run:
+        log("DRY RUN: tiny shapes on " + str(jax.devices()[0]) + "; the figures mean nothing")
+        devs = jax.devices()
+        MAIN = (2, 64, 128, 16)
+        GPU_SHAPES = [MAIN, (1, 32, 256, 16)]
+        SWEEP_BATCHES, SWEEP_SHAPE = [1, 2, 4], (64, 128, 16)
+        OFFICIAL_US[MAIN] = 1168
     if not devs:
         log(f"no GPU in jax (backend {jax.default_backend()}, devices {jax.devices()}); "
             "--device gpu needs jax with CUDA (pip install 'jax[cuda13]')")
@@ -554,7 +619,7 @@ def run_gpu(args):
     reps = args.reps or 5
     cases = [(s, lay) for s in (GPU_SHAPES[:1] if args.quick else GPU_SHAPES) for lay in ("bdl", "bld")]
     if not args.quick and not args.no_sweep:
-        cases += [((bs, 4096, 2048, 16), "bdl", "sweep") for bs in SWEEP_BATCHES]
+        cases += [((bs, *SWEEP_SHAPE), "bdl", "sweep") for bs in SWEEP_BATCHES]
     records = []
     traced = False
     for case in cases:
@@ -590,8 +655,9 @@ def run_gpu(args):
                     diff = (out_c.float() - torch.from_dlpack(out_ours[0]).float()).abs().max()
                     rec["capi_vs_jax_max_abs"] = float(diff)
                 if not traced and shape == MAIN and layout == "bdl":
-                    attempt("torch.profiler trace", trace_capi, torch, launch, args.out)
+                    # JAX's first: once torch's profiler has subscribed to CUPTI, JAX's cannot.
                     attempt("jax.profiler trace", trace_jax, f_ours, a, args.out)
+                    attempt("torch.profiler trace", trace_capi, torch, launch, args.out)
                     traced = True
             del prep, launch, out_c
             capi._keep = None
@@ -639,10 +705,10 @@ def run_gpu(args):
             if ref is None and torch is not None and t is not None:
                 with torch.inference_mode():
                     ref = attempt("torch reference", torch_reference, torch, t, layout)
-                ref = None if ref is None else (jnp.asarray(ref[0].float().cpu().numpy()), None)
+                ref = None if ref is None else (jnp.asarray(ref[0].float().cpu().numpy()), None)  # host copy: any jax device
                 ref_name = "torch eager"
             if ref is not None:
-                rec["rel_l2_out"] = rel_l2(np.asarray(out_ours[0].astype(jnp.float32)), np.asarray(ref[0].astype(jnp.float32)))
+                rec["rel_l2_out"] = rel_l2_device(out_ours[0], ref[0])
                 rec["check"] = "ok" if rec["rel_l2_out"] < GPU_TOL else "MISMATCH"
                 rec["reference"] = ref_name
                 if rec["check"] != "ok":
@@ -674,25 +740,38 @@ def run_gpu(args):
 
 
 def trace_capi(torch, launch, out: Path):
+    import warnings
+
     from torch.profiler import ProfilerActivity, profile
 
     out.mkdir(parents=True, exist_ok=True)
     launch()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        launch()
-        torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            launch()
+            torch.cuda.synchronize()
     path = out / "trace_capi_main_bdl.json"
     prof.export_chrome_trace(str(path))
     log(f"    wrote {path} (chrome://tracing or ui.perfetto.dev)")
 
 
 def trace_jax(fn, args, out: Path):
+    import glob
+    import shutil
+
     path = out / "jax_trace_main_bdl"
     jax.block_until_ready(fn(*args))
     with jax.profiler.trace(str(path), create_perfetto_trace=True):
         jax.block_until_ready(fn(*args))
-    log(f"    wrote {path}/ (perfetto_trace.json.gz; or TensorBoard's profile plugin)")
+    # The profiler nests its files in plugins/profile/<run>/; put the Perfetto trace at the top.
+    found = sorted(glob.glob(str(path / "**" / "perfetto_trace.json.gz"), recursive=True))
+    if found:
+        shutil.copy(found[-1], out / "jax_trace_main_bdl.perfetto.json.gz")
+        log(f"    wrote {out / 'jax_trace_main_bdl.perfetto.json.gz'} (ui.perfetto.dev) and {path}/ (TensorBoard)")
+    else:
+        log(f"    wrote {path}/ (TensorBoard's profile plugin)")
 
 
 def report_gpu(records, args, name, sms, bw):
@@ -721,7 +800,7 @@ def report_gpu(records, args, name, sms, bw):
         + (f" {bw / 1e12:.2f} TB/s" if bw else ", not measured") + ")")
     print_table(headers, main_rows)
     if sweep_rows:
-        log("\nbatch sweep (dim 4096, seqlen 2048, dstate 16, bdl):")
+        log("\nbatch sweep (dim %d, seqlen %d, dstate %d, bdl):" % SWEEP_SHAPE)
         print_table(headers, sweep_rows)
     meta = base_meta() | {
         "mode": "gpu", "gpu": name, "sms": sms, "boost_clock_hz_assumed": BOOST_CLOCK_HZ,
@@ -739,6 +818,7 @@ def plot_sweep(records, out: Path):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker  # noqa: F401
     except ImportError:
         log("matplotlib is not installed: no plot")
         return
@@ -752,7 +832,9 @@ def plot_sweep(records, out: Path):
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set_xlabel("batch (dim 4096, seqlen 2048, dstate 16, bf16, bdl)")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("batch (dim %d, seqlen %d, dstate %d, bf16, bdl)" % SWEEP_SHAPE)
     ax.set_ylabel("speedup of xla_ssm (jax.jit)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()

@@ -5,6 +5,7 @@
 #include "../kernels/selective_scan_fwd.cu"
 
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
 #include <vector>
 
@@ -62,6 +63,16 @@ int main(int argc, char** argv) {
         p.bc_stride_batch = N * L, p.bc_stride_group = N * L, p.bc_stride_state = L, p.bc_stride_seq = 1;
     }
     p.delta_softplus = 1;
+    p.chunk_len = L, p.n_chunks = 1;
+    // The sequence split of src/ops/selective_scan/mod.rs (split_plan) for small batch x dim.
+    SelectiveScanFwdParams ps = p;
+    const int64_t tiles = B * ((D + 127) / 128);
+    if (2 * tiles < 264 && L >= 128) {
+        const int64_t chunks = std::min((264 + tiles - 1) / tiles, L / 64);
+        ps.chunk_len = ((L + chunks - 1) / chunks + 31) / 32 * 32;
+        ps.n_chunks = (L + ps.chunk_len - 1) / ps.chunk_len;
+        CHECK(cudaMalloc(&ps.workspace, (ps.n_chunks - 1) * B * D * kChunkRecord * 4));
+    }
 
     // Reference: the lanes kernel.
     SelectiveScanFwdParams pr = p;
@@ -76,9 +87,14 @@ int main(int argc, char** argv) {
     };
     const int smem = Tile<bf16>::kSharedBytes;
     CHECK(cudaFuncSetAttribute(selective_scan_fwd_tiled_bf16_bf16_varying, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CHECK(cudaFuncSetAttribute(selective_scan_fwd_tiled_local_bf16_bf16_varying, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     auto tiled = [&] {
-        dim3 grid(unsigned((D + kTileChannels - 1) / kTileChannels), unsigned(B));
-        selective_scan_fwd_tiled_bf16_bf16_varying<<<grid, kTiledThreads, smem>>>(p);
+        dim3 grid(unsigned((D + kTileChannels - 1) / kTileChannels), unsigned(B), unsigned(ps.n_chunks));
+        if (ps.n_chunks > 1) {
+            dim3 local(grid.x, grid.y, grid.z - 1);
+            selective_scan_fwd_tiled_local_bf16_bf16_varying<<<local, kTiledThreads, smem>>>(ps);
+        }
+        selective_scan_fwd_tiled_bf16_bf16_varying<<<grid, kTiledThreads, smem>>>(ps);
     };
     cudaEvent_t e0, e1;
     CHECK(cudaEventCreate(&e0)); CHECK(cudaEventCreate(&e1));
@@ -107,8 +123,8 @@ int main(int argc, char** argv) {
     CHECK(cudaGetDeviceProperties(&prop, dev));
     // Special-function-unit floor: one ex2 per element at 16 per clock per SM, at 1.755 GHz.
     const double floor_us = double(nx) * N / (prop.multiProcessorCount * 16.0 * 1.755e9) * 1e6;
-    printf("poly=%d %s B=%lld D=%lld L=%lld N=%lld  tiled %.1f us  lanes %.1f us  exp-floor %.1f us (%.0f%%)  relL2 %.2e\n",
-           SSF_POLY_STATES, bld ? "bld" : "bdl", (long long)B, (long long)D, (long long)L,
+    printf("chunks=%lld poly=%d %s B=%lld D=%lld L=%lld N=%lld  tiled %.1f us  lanes %.1f us  exp-floor %.1f us (%.0f%%)  relL2 %.2e\n",
+           (long long)ps.n_chunks, SSF_POLY_STATES, bld ? "bld" : "bdl", (long long)B, (long long)D, (long long)L,
            (long long)N, t_tiled, t_lanes, floor_us, 100.0 * floor_us / t_tiled, sqrt(num / den));
     return 0;
 }

@@ -57,6 +57,11 @@ typedef struct XlaSsmSelectiveScanFwdArgs {
   void *out;
   // (batch, dim, dstate) f32.
   float *final_state;
+  // Optional device scratch of `workspace_bytes` bytes (see
+  // [`xla_ssm_selective_scan_fwd_workspace_bytes`]): with it the CUDA scan splits long sequences
+  // of a small batch x dim over the whole GPU. NULL / 0: no split. Unused on the host.
+  void *workspace;
+  int64_t workspace_bytes;
 } XlaSsmSelectiveScanFwdArgs;
 
 #define XLA_SSM_OK 0
@@ -93,6 +98,13 @@ const char *xla_ssm_version(void);
 
 // Number of usable CUDA devices (0 when the driver is missing or the build has no CUDA).
 int32_t xla_ssm_cuda_device_count(void);
+
+// Bytes of workspace that let the CUDA forward scan of this shape split its sequence (0: it never
+// does). Depends on the shape only.
+int64_t xla_ssm_selective_scan_fwd_workspace_bytes(int64_t batch,
+                                                   int64_t dim,
+                                                   int64_t seqlen,
+                                                   int64_t dstate);
 
 // Forward selective scan on host memory, on the calling thread (and worker threads it joins).
 //

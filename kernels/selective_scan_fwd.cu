@@ -23,8 +23,12 @@ struct SelectiveScanFwdParams {
     int64_t bc_stride_batch, bc_stride_group, bc_stride_state, bc_stride_seq;
     int32_t delta_softplus;
     int32_t reserved;
+    // Sequence split (tiled kernel): chunks of chunk_len steps, per-chunk (state, sum of dt) in
+    // workspace [n_chunks - 1][batch][dim][kChunkRecord] f32. n_chunks == 1: no split.
+    float* workspace;
+    int64_t chunk_len, n_chunks;
 };
-static_assert(sizeof(SelectiveScanFwdParams) == 11 * 8 + 12 * 8 + 8, "mirror of FwdParams");
+static_assert(sizeof(SelectiveScanFwdParams) == 11 * 8 + 12 * 8 + 8 + 3 * 8, "mirror of FwdParams");
 
 constexpr int kStatesPerLane = 8;
 constexpr int kBlockThreads = 128;
@@ -218,7 +222,15 @@ __device__ __forceinline__ void store_tile(T* g, const T* tile, const SelectiveS
     }
 }
 
-template <typename T, typename TB, bool kVaryingBC>
+// Floats per (chunk, batch, channel) in the workspace: the chunk's end state from zero, then its
+// sum of dt (which gives the chunk's decay of an incoming state, exp(A * sum dt)).
+constexpr int kChunkRecord = kTiledStates + 1;
+
+// kLocal: the first pass of a sequence split. Block (tile, b, chunk) scans its chunk from a zero
+// state and records only the end state and the sum of dt. Otherwise the block starts from the
+// initial state carried through the records of the chunks before it, and writes the output
+// (one chunk covering the whole sequence when there is no split).
+template <typename T, typename TB, bool kVaryingBC, bool kLocal>
 __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdParams& p) {
     constexpr int N = kTiledStates, K = kThreadStates, S = Tile<T>::kSteps, P = Tile<T>::kPitch;
     constexpr int PF = Tile<T>::kPitchF32;
@@ -247,21 +259,35 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     const int64_t bc_base = kVaryingBC ? b * p.bc_stride_batch + (d0 / p.dim_per_group) * p.bc_stride_group
                                        : d * p.bc_stride_group;
 
+    const int64_t chunk = blockIdx.z;
+    const int64_t l_begin = chunk * p.chunk_len, l_end = min(p.seqlen, l_begin + p.chunk_len);
+    float* record = p.workspace + (chunk * p.batch * p.dim + b * p.dim + d) * kChunkRecord;
+    const int64_t record_stride = p.batch * p.dim * kChunkRecord;  // from one chunk to the next
+
     float a2[K], h[K], b_inv[kVaryingBC ? 1 : K], c_inv[kVaryingBC ? 1 : K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         const int n = n0 + k;
         const bool valid = active && n < p.dstate;
         a2[k] = valid ? p.A[d * p.dstate + n] * kLog2e : 0.f;
-        h[k] = valid && p.initial_state ? p.initial_state[state_base + n] : 0.f;
+        h[k] = !kLocal && valid && p.initial_state ? p.initial_state[state_base + n] : 0.f;
         if constexpr (!kVaryingBC) {
             b_inv[k] = valid ? to_f32(Bm[bc_base + n * p.bc_stride_state]) : 0.f;
             c_inv[k] = valid ? to_f32(Cm[bc_base + n * p.bc_stride_state]) : 0.f;
         }
     }
+    if (!kLocal && active) {
+        // Carry the state through the chunks before this one: h = exp(A * sum dt) * h + end state.
+        const float* prior = p.workspace + (b * p.dim + d) * kChunkRecord;
+        for (int64_t j = 0; j < chunk; ++j, prior += record_stride) {
+            const float dt_sum = prior[kTiledStates];
+#pragma unroll
+            for (int k = 0; k < K; ++k) h[k] = fmaf(ex2_ftz(dt_sum * a2[k]), h[k], prior[n0 + k]);
+        }
+    }
     const float bias = active && p.delta_bias ? p.delta_bias[d] : 0.f;
     const float skip = active && p.D ? p.D[d] : 0.f;
-    const bool has_z = p.z != nullptr;
+    const bool has_z = !kLocal && p.z != nullptr;
     const bool time_contiguous = p.x_stride_seq == 1;
     const bool bc_time_contiguous = p.bc_stride_seq == 1;
     const int64_t x_base = b * p.x_stride_batch + d0 * p.x_stride_dim;
@@ -280,7 +306,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
         t = bc_time_contiguous ? i % S : i / N;
     };
     auto fetch = [&](int64_t l0) {
-        const int steps = int(min(int64_t(S), p.seqlen - l0));
+        const int steps = int(min(int64_t(S), l_end - l0));
         next_u.load(u, p, map, x_base, l0, rows, steps);
         next_delta.load(delta, p, map, x_base, l0, rows, steps);
         if (has_z) next_z.load(z, p, map, x_base, l0, rows, steps);
@@ -297,9 +323,10 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
         }
     };
 
-    if (p.seqlen > 0) fetch(0);
-    for (int64_t l0 = 0; l0 < p.seqlen; l0 += S) {
-        const int steps = int(min(int64_t(S), p.seqlen - l0));
+    float dt_sum = 0.f;
+    if (l_begin < l_end) fetch(l_begin);
+    for (int64_t l0 = l_begin; l0 < l_end; l0 += S) {
+        const int steps = int(min(int64_t(S), l_end - l0));
         next_u.store_shared(s_u, map, time_contiguous);
         next_delta.store_shared(s_delta, map, time_contiguous);
         if (has_z) next_z.store_shared(s_z, map, time_contiguous);
@@ -313,7 +340,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             }
         }
         __syncthreads();
-        if (l0 + S < p.seqlen) fetch(l0 + S);
+        if (l0 + S < l_end) fetch(l0 + S);
 
         // Per-step scalars of this tile, all independent: the channel's two threads split the steps.
 #pragma unroll 4
@@ -322,7 +349,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             float dt = to_f32(s_delta[c * P + t]) + bias;
             if (p.delta_softplus) dt = softplus_fast(dt);
             s_dtf[c * PF + t] = dt;
-            s_gate[c * PF + t] = has_z ? silu_fast(to_f32(s_z[c * P + t])) : 1.f;
+            if (!kLocal) s_gate[c * PF + t] = has_z ? silu_fast(to_f32(s_z[c * P + t])) : 1.f;
         }
         __syncthreads();
 
@@ -351,6 +378,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             const StepIn cur = next;
             next = read_step(t + 1);
             const float dtu = cur.dt * cur.u;
+            if (kLocal) dt_sum += cur.dt;
             float Bt[K], Ct[K];
             if constexpr (kVaryingBC) {
 #pragma unroll
@@ -368,35 +396,41 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
                 const float x = cur.dt * a2[k];
                 const float decay = k < kPolyStates ? exp2_fma(x) : ex2_ftz(x);
                 h[k] = fmaf(decay, h[k], dtu * Bt[k]);
-                acc[k % 2] = fmaf(Ct[k], h[k], acc[k % 2]);
+                if (!kLocal) acc[k % 2] = fmaf(Ct[k], h[k], acc[k % 2]);
             }
+            if (kLocal) continue;
             float y = acc[0] + acc[1];
             y += __shfl_xor_sync(0xffffffffu, y, 1);
             // Both threads have read u[t] before the shuffle; one writes the output over it.
             if (half == 0) s_u[c * P + t] = from_f32<T>(fmaf(skip, cur.u, y) * s_gate[c * PF + t]);
         }
         __syncthreads();
-        store_tile(out, s_u, p, map, time_contiguous, x_base, l0, rows, steps);
+        if (!kLocal) store_tile(out, s_u, p, map, time_contiguous, x_base, l0, rows, steps);
         __syncthreads();
     }
-    if (active) {
+    if (!active) return;
+    if (kLocal) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) record[n0 + k] = h[k];
+        if (half == 0) record[kTiledStates] = dt_sum;
+    } else if (chunk == p.n_chunks - 1) {
 #pragma unroll
         for (int k = 0; k < K; ++k)
             if (n0 + k < p.dstate) p.final_state[state_base + n0 + k] = h[k];
     }
 }
 
-// selective_scan_fwd_tiled_<T>_<TB>_<varying|invariant>, launched with kTiledThreads threads and
-// Tile<T>::kSharedBytes of dynamic shared memory; selective_scan_fwd_tiled_smem_<T> reports that size.
-#define SSF_TILED(T, TB)                                                                          \
-    extern "C" __global__ void __launch_bounds__(kTiledThreads)                                   \
-        selective_scan_fwd_tiled_##T##_##TB##_varying(const SelectiveScanFwdParams p) {           \
-        selective_scan_fwd_tiled<T, TB, true>(p);                                                 \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(kTiledThreads)                                   \
-        selective_scan_fwd_tiled_##T##_##TB##_invariant(const SelectiveScanFwdParams p) {         \
-        selective_scan_fwd_tiled<T, TB, false>(p);                                                \
+// selective_scan_fwd_tiled[_local]_<T>_<TB>_<varying|invariant>, launched with kTiledThreads threads,
+// Tile<T>::kSharedBytes of dynamic shared memory and a (tiles, batch, chunks) grid.
+#define SSF_TILED_ONE(NAME, T, TB, VARYING, LOCAL)                                                \
+    extern "C" __global__ void __launch_bounds__(kTiledThreads) NAME(const SelectiveScanFwdParams p) { \
+        selective_scan_fwd_tiled<T, TB, VARYING, LOCAL>(p);                                       \
     }
+#define SSF_TILED(T, TB)                                                                                  \
+    SSF_TILED_ONE(selective_scan_fwd_tiled_##T##_##TB##_varying, T, TB, true, false)                      \
+    SSF_TILED_ONE(selective_scan_fwd_tiled_##T##_##TB##_invariant, T, TB, false, false)                   \
+    SSF_TILED_ONE(selective_scan_fwd_tiled_local_##T##_##TB##_varying, T, TB, true, true)                 \
+    SSF_TILED_ONE(selective_scan_fwd_tiled_local_##T##_##TB##_invariant, T, TB, false, true)
 
 SSF_TILED(f32, f32)
 SSF_TILED(bf16, bf16)

@@ -70,6 +70,11 @@ pub struct XlaSsmSelectiveScanFwdArgs {
     pub out: *mut c_void,
     /// (batch, dim, dstate) f32.
     pub final_state: *mut f32,
+    /// Optional device scratch of `workspace_bytes` bytes (see
+    /// [`xla_ssm_selective_scan_fwd_workspace_bytes`]): with it the CUDA scan splits long sequences
+    /// of a small batch x dim over the whole GPU. NULL / 0: no split. Unused on the host.
+    pub workspace: *mut c_void,
+    pub workspace_bytes: i64,
 }
 
 thread_local! {
@@ -163,6 +168,11 @@ fn fwd(args: *const XlaSsmSelectiveScanFwdArgs, platform: Platform) -> crate::er
     let bias = t(DType::F32, &per_channel, a.delta_bias as *const c_void);
     let h0 = t(DType::F32, &state, a.initial_state as *const c_void);
     let final_state = t(DType::F32, &state, a.final_state as *const c_void);
+    let workspace = Tensor {
+        dtype: DType::Other(crate::xla::ffi::XLA_FFI_DATA_TYPE_U8),
+        dims: vec![a.workspace_bytes.max(0)],
+        data: a.workspace,
+    };
     fn some(t: &Tensor) -> Option<&Tensor> {
         (!t.data.is_null()).then_some(t)
     }
@@ -178,10 +188,18 @@ fn fwd(args: *const XlaSsmSelectiveScanFwdArgs, platform: Platform) -> crate::er
         initial_state: some(&h0),
         out: &out,
         final_state: &final_state,
+        workspace: some(&workspace),
         delta_softplus: a.delta_softplus,
         layout,
     })?;
     run_fwd(&fwd, platform)
+}
+
+/// Bytes of workspace that let the CUDA forward scan of this shape split its sequence (0: it never
+/// does). Depends on the shape only.
+#[no_mangle]
+pub extern "C" fn xla_ssm_selective_scan_fwd_workspace_bytes(batch: i64, dim: i64, seqlen: i64, dstate: i64) -> i64 {
+    crate::ops::selective_scan::workspace_bytes(batch.max(0), dim.max(0), seqlen.max(0), dstate.max(0))
 }
 
 /// Forward selective scan on host memory, on the calling thread (and worker threads it joins).

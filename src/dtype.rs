@@ -42,8 +42,19 @@ impl DType {
         }
     }
 
-    pub fn is_float(self) -> bool {
-        !matches!(self, DType::Other(_))
+    /// Bytes per element, as XLA stores it (0 for types this library does not know).
+    pub fn size_bytes(self) -> i64 {
+        match self {
+            DType::F32 => 4,
+            DType::BF16 | DType::F16 => 2,
+            DType::Other(code) => match code {
+                ffi::XLA_FFI_DATA_TYPE_PRED | ffi::XLA_FFI_DATA_TYPE_S8 | ffi::XLA_FFI_DATA_TYPE_U8 => 1,
+                ffi::XLA_FFI_DATA_TYPE_S16 => 2,
+                ffi::XLA_FFI_DATA_TYPE_S32 => 4,
+                ffi::XLA_FFI_DATA_TYPE_S64 | ffi::XLA_FFI_DATA_TYPE_F64 => 8,
+                _ => 0,
+            },
+        }
     }
 }
 

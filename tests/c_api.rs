@@ -127,6 +127,8 @@ fn host_entry_point_all_dtypes() {
             delta_bias: ptr(&mut call, "delta_bias") as *const f32,
             initial_state: ptr(&mut call, "initial_state") as *const f32,
             out: call.rets[0].1.ptr(),
+            workspace: std::ptr::null_mut(),
+            workspace_bytes: 0,
             final_state: call.rets[1].1.ptr() as *mut f32,
         };
         // SAFETY: host buffers of the described sizes.
@@ -178,6 +180,8 @@ fn cuda_launch_without_cuda() {
         delta_bias: std::ptr::null(),
         initial_state: std::ptr::null(),
         out: call.rets[0].1.ptr(),
+        workspace: std::ptr::null_mut(),
+        workspace_bytes: 0,
         final_state: call.rets[1].1.ptr() as *mut f32,
     };
     // SAFETY: never dereferenced without a device (the call fails first).

@@ -178,6 +178,8 @@ impl DeviceCall {
             initial_state: find("initial_state") as *const f32,
             out: self.rets[0].1.data(),
             final_state: self.rets[1].1.data() as *mut f32,
+            workspace: std::ptr::null_mut(),
+            workspace_bytes: 0,
         }
     }
 }
@@ -625,4 +627,59 @@ fn cuda_handler_errors() {
     synchronize(stream.ptr());
     let (out, _) = call.outputs(&p.case);
     assert!(out.iter().all(|x| x.is_nan()));
+}
+
+/// Small batch x dim with long sequences: given a workspace (a third result, or the C API's field),
+/// the tiled kernel splits the sequence into chunks (a chunk-local pass, then the final pass).
+#[test]
+fn split_sequence() {
+    if !gpu() {
+        return;
+    }
+    let stream = Stream::new();
+    let cases = [
+        Case { dtype: Dt::BF16, bc_dtype: Dt::BF16, ..Case::new(1, 200, 1000, 16).all_optional() },
+        Case { layout: Layout::Bld, ..Case::new(2, 136, 2048, 16).all_optional() },
+        Case { groups: 0, has_initial_state: true, ..Case::new(1, 128, 4096, 16) },
+        Case {
+            dtype: Dt::F16,
+            bc_dtype: Dt::F32,
+            dt_range: (1e-4, 1e-2),
+            ..Case::new(1, 64, 777 * 8, 8).all_optional()
+        },
+        Case { softplus: false, ..Case::new(1, 256, 160, 4).all_optional() },
+    ];
+    for case in &cases {
+        let c = case;
+        let bytes = xla_ssm::capi::xla_ssm_selective_scan_fwd_workspace_bytes(
+            c.batch as i64,
+            c.dim as i64,
+            c.seqlen as i64,
+            c.dstate as i64,
+        );
+        assert!(bytes > 0, "case should split: {case:?}");
+        let p = Problem::random(case);
+        let r = p.reference();
+        let workspace = DevBuf::upload(&vec![0xffu8; bytes as usize]);
+        // Through the XLA handler, the workspace as a third (u8) result.
+        let call = DeviceCall::new(&p);
+        let mut rets = call.ret_bufs();
+        rets.push(Buf { dtype: xla::U8, dims: vec![bytes], data: workspace.data() });
+        let mut frame = Frame::new(&call.arg_bufs(), &rets, &p.attrs(), stream.ptr());
+        xla::call(cuda_handler, &mut frame).unwrap_or_else(|(code, msg)| panic!("handler failed ({code}): {msg}"));
+        synchronize(stream.ptr());
+        let (out, state) = call.outputs(case);
+        check_outputs(&p, &r, &out, &state);
+        // Through the C API.
+        call.poison();
+        let mut args = call.capi_args(&p);
+        args.workspace = workspace.data();
+        args.workspace_bytes = bytes;
+        // SAFETY: device pointers of the described sizes, in the current context.
+        let status = unsafe { xla_ssm::capi::xla_ssm_selective_scan_fwd_cuda_launch(&args, stream.ptr()) };
+        assert_eq!(status, xla_ssm::capi::XLA_SSM_OK);
+        synchronize(stream.ptr());
+        let (out, state) = call.outputs(case);
+        check_outputs(&p, &r, &out, &state);
+    }
 }

@@ -161,10 +161,10 @@ fn function(ctx: sys::CUcontext, module: &'static str, kernel: &str, shared_byte
     Ok(f)
 }
 
-/// How to launch a kernel: a (x, y) grid of 1-D blocks and their dynamic shared memory.
+/// How to launch a kernel: an (x, y, z) grid of 1-D blocks and their dynamic shared memory.
 #[derive(Debug, Clone, Copy)]
 pub struct LaunchConfig {
-    pub grid: (u64, u64),
+    pub grid: (u64, u64, u64),
     pub block: u32,
     pub shared_bytes: u32,
 }
@@ -178,11 +178,11 @@ pub fn launch<P>(
     params: &P,
 ) -> Result<()> {
     let LaunchConfig { grid, block, shared_bytes } = config;
-    if grid.0 == 0 || grid.1 == 0 {
+    if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
         return Ok(());
     }
     driver()?;
-    if grid.0 > i32::MAX as u64 || grid.1 > u16::MAX as u64 {
+    if grid.0 > i32::MAX as u64 || grid.1 > u16::MAX as u64 || grid.2 > u16::MAX as u64 {
         return Err(Error::invalid(format!("{kernel}: problem too large for one launch ({grid:?} blocks)")));
     }
     let stream = stream as sys::CUstream;
@@ -197,7 +197,7 @@ pub fn launch<P>(
                 f,
                 grid.0 as u32,
                 grid.1 as u32,
-                1,
+                grid.2 as u32,
                 block,
                 1,
                 1,

@@ -11,6 +11,7 @@ use std::ffi::{c_char, c_void, CStr, CString};
 // The C ABI, transcribed from xla/ffi/api/c_api.h.
 
 pub const PRED: i32 = 1;
+pub const U8: i32 = 6;
 pub const S32: i32 = 4;
 pub const F16: i32 = 10;
 pub const F32: i32 = 11;

@@ -65,6 +65,8 @@ def load() -> ctypes.CDLL:
             return _lib
         path = library_path()
         lib = ctypes.CDLL(str(path))
+        lib.xla_ssm_selective_scan_fwd_workspace_bytes.restype = ctypes.c_int64
+        lib.xla_ssm_selective_scan_fwd_workspace_bytes.argtypes = [ctypes.c_int64] * 4
         for target in TARGETS:
             done = []
             cpu = getattr(lib, target + "_cpu", None)

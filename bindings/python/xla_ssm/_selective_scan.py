@@ -130,20 +130,22 @@ def selective_scan_fwd(
     u, delta, A, B, C, D, z, delta_bias, initial_state = _as_arrays(
         u, delta, A, B, C, D, z, delta_bias, initial_state
     )
-    batch, dim, _, dstate, _ = _check(
+    batch, dim, seqlen, dstate, _ = _check(
         u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, layout
     )
-    _lib.load()
+    lib = _lib.load()
     operands = [u, delta, A, B, C] + [x for x in (D, z, delta_bias, initial_state) if x is not None]
-    call = jax.ffi.ffi_call(
-        TARGET,
-        (
-            jax.ShapeDtypeStruct(u.shape, u.dtype),
-            jax.ShapeDtypeStruct((batch, dim, dstate), jnp.float32),
-        ),
-        vmap_method="sequential",
-    )
-    out, final_state = call(
+    results = [
+        jax.ShapeDtypeStruct(u.shape, u.dtype),
+        jax.ShapeDtypeStruct((batch, dim, dstate), jnp.float32),
+    ]
+    # Scratch that lets the CUDA kernel split long sequences of a small batch x dim over the whole
+    # GPU (a third, discarded result; XLA allocates it). Shape-dependent only; 0 when it never splits.
+    workspace = lib.xla_ssm_selective_scan_fwd_workspace_bytes(batch, dim, seqlen, dstate)
+    if workspace > 0:
+        results.append(jax.ShapeDtypeStruct((workspace,), jnp.uint8))
+    call = jax.ffi.ffi_call(TARGET, tuple(results), vmap_method="sequential")
+    out, final_state, *_ = call(
         *operands,
         delta_softplus=np.bool_(delta_softplus),
         has_d=np.bool_(D is not None),

@@ -23,7 +23,8 @@
 //!   registers, and prefetched one block ahead. A chunk's data stays in L1/L2, operands are read
 //!   once and in address order, and scratch does not grow with `seqlen`. A block's state waits in
 //!   scratch between chunks.
-//! - **Threads over blocks.** Blocks are split evenly over the available cores; each thread writes
+//! - **Threads over blocks.** Threads (as many as cores, the calling one included) take segments of
+//!   consecutive blocks from a shared counter, so a late or slowed thread takes fewer; each writes
 //!   only its own channels. Scratch is kept per calling thread and reused across calls.
 //! - **Runtime ISA choice.** The same generic code is compiled three times: AVX-512 (16 lanes),
 //!   AVX2+FMA (8 lanes) and baseline (8 lanes, no FMA), picked with `is_x86_feature_detected!`.
@@ -37,6 +38,7 @@ use half::{bf16, f16};
 use std::cell::RefCell;
 use std::ffi::c_void;
 use std::ops::{Add, Mul, Range};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Most time steps per chunk: the per-block scratch (dt, dt*u, y: 3 x CHUNK x W floats) and the
 /// shared B/C chunk (2 x CHUNK x dstate floats) then fit in L1 for dstate 16.
@@ -51,6 +53,10 @@ const SEGMENT_STATE_FLOATS: usize = 1 << 15;
 
 /// Bound on the per-lane B/C scratch of the lanes mode with time-varying B/C (floats).
 const LANE_BC_FLOATS: usize = 1 << 16;
+
+/// Above this many bytes of delta, u and z, blocks prefetch the next block's rows (smaller operands
+/// stay in cache between calls, where the prefetch instructions only cost time).
+const PREFETCH_BYTES: usize = 8 << 20;
 
 /// Below this many updates one thread is faster than starting others (a thread start costs tens of
 /// microseconds; one core does several updates per nanosecond).
@@ -141,7 +147,7 @@ fn exp<const W: usize, const FMA: bool>(x: V<W>) -> V<W> {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4; // 0.693359375: 9 significant bits
     const LN2_LO: f32 = -2.121_944_4e-4; // ln2 - LN2_HI
-    // Adding 1.5 * 2^23 rounds to an integer (ties to even) and leaves it in the low mantissa bits.
+                                         // Adding 1.5 * 2^23 rounds to an integer (ties to even) and leaves it in the low mantissa bits.
     const SHIFT: f32 = 12_582_912.0;
     // One comparison each, in the form that compiles to max/min instructions; NaN fails both
     // tests and flows through.
@@ -182,8 +188,8 @@ fn exp2<const W: usize, const FMA: bool>(x: V<W>) -> V<W> {
     let x = x.map(|x| if x < EXP2_MIN { EXP2_MIN } else { x });
     let t = x.map(|x| x + SHIFT);
     let r = t.zip(x, |t, x| x - (t - SHIFT)); // exact, in [-1/2, 1/2]
-    // 2^r = 1 + r c(r): the coefficients of `exp`'s polynomial scaled by powers of ln 2 (no bias at
-    // r = 0 for the same reason; relative error 1.1e-7).
+                                              // 2^r = 1 + r c(r): the coefficients of `exp`'s polynomial scaled by powers of ln 2 (no bias at
+                                              // r = 0 for the same reason; relative error 1.1e-7).
     let mut p = V::splat(1.330_025_8e-3);
     for c in [9.669_718e-3, 5.550_56e-2, 0.240_222_81, 0.693_147_2, 1.0] {
         p = p.mul_add::<FMA>(r, V::splat(c));
@@ -196,7 +202,16 @@ fn exp2<const W: usize, const FMA: bool>(x: V<W>) -> V<W> {
 #[inline(always)]
 fn log1p_01<const FMA: bool>(t: f32) -> f32 {
     let mut p = 5.232_606e-3;
-    for c in [-2.950_486_4e-2, 7.822_529e-2, -1.366_318_5e-1, 1.910_597_4e-1, -2.484_297_3e-1, 3.331_909_5e-1, -4.999_949_3e-1, 9.999_999_4e-1] {
+    for c in [
+        -2.950_486_4e-2,
+        7.822_529e-2,
+        -1.366_318_5e-1,
+        1.910_597_4e-1,
+        -2.484_297_3e-1,
+        3.331_909_5e-1,
+        -4.999_949_3e-1,
+        9.999_999_4e-1,
+    ] {
         p = fmadd::<FMA>(p, t, c);
     }
     t * p
@@ -407,7 +422,11 @@ struct Plan {
     dstate: usize,
     seqlen: usize,
     chunk: usize,
+    /// Blocks per segment: the unit of work a thread takes (consecutive blocks of one span, which
+    /// share each chunk's B/C staging).
     segment: usize,
+    segments_per_span: usize,
+    segments: usize,
 }
 
 impl Plan {
@@ -430,8 +449,35 @@ impl Plan {
             dstate,
             seqlen: p.seqlen,
             chunk,
-            segment: (SEGMENT_STATE_FLOATS / lane_floats).max(1),
+            segment: 0,
+            segments_per_span: 0,
+            segments: 0,
         }
+        .with_segments((SEGMENT_STATE_FLOATS / lane_floats).max(1))
+    }
+
+    fn with_segments(mut self, segment: usize) -> Plan {
+        self.segment = segment.clamp(1, self.blocks_per_span.max(1));
+        self.segments_per_span = self.blocks_per_span.div_ceil(self.segment);
+        self.segments = self.blocks / self.blocks_per_span.max(1) * self.segments_per_span;
+        self
+    }
+
+    /// Cuts the work into about four segments per thread, so that threads that start late or run
+    /// slow (a busy core) take fewer; one thread keeps the largest segments.
+    fn schedule(self, threads: usize) -> Plan {
+        if threads <= 1 {
+            return self;
+        }
+        let segment = self.segment.min(self.blocks.div_ceil(4 * threads));
+        self.with_segments(segment)
+    }
+
+    /// The blocks of segment `i` (consecutive, of one (batch, span)).
+    fn segment_blocks(&self, i: usize) -> Range<usize> {
+        let (span, j) = (i / self.segments_per_span, i % self.segments_per_span);
+        let start = span * self.blocks_per_span + j * self.segment;
+        start..(start + self.segment).min((span + 1) * self.blocks_per_span)
     }
 
     /// (batch, span, first channel, channels) of block `i`.
@@ -567,6 +613,9 @@ fn run<T: Io, TB: Io>(p: &FwdParams, time_varying: bool) {
     } else {
         std::thread::available_parallelism().map_or(1, |n| n.get()).min(plan.blocks)
     };
+    let plan = plan.schedule(threads);
+    // Threads take segments in order from this counter until none is left.
+    let next = AtomicUsize::new(0);
     // 64-byte-aligned pieces of one allocation; 16 spare floats to align the first.
     let per_thread = plan.scratch_floats().next_multiple_of(16);
     let needed = per_thread * threads + 16;
@@ -584,42 +633,41 @@ fn run<T: Io, TB: Io>(p: &FwdParams, time_varying: bool) {
         }
         let skip = buf.as_ptr().align_offset(64).min(16);
         let mut pieces = buf[skip..].chunks_exact_mut(per_thread);
-        let ranges: Vec<Range<usize>> =
-            (0..threads).map(|t| plan.blocks * t / threads..plan.blocks * (t + 1) / threads).collect();
-        let (ctx, plan) = (&ctx, &plan);
+        let (ctx, plan, next) = (&ctx, &plan, &next);
         std::thread::scope(|scope| {
             let mine = pieces.next().expect("scratch for the calling thread");
-            for range in ranges[1..].iter().cloned() {
+            for _ in 1..threads {
                 let piece = pieces.next().expect("scratch per worker");
-                scope.spawn(move || worker(isa, ctx, plan, range, piece));
+                scope.spawn(move || worker(isa, ctx, plan, next, piece));
             }
-            // The calling thread takes the first share rather than waiting idle.
-            worker(isa, ctx, plan, ranges[0].clone(), mine);
+            // The calling thread works too, from the start (the others take tens of microseconds
+            // to start).
+            worker(isa, ctx, plan, next, mine);
         });
     });
 }
 
-fn worker<T: Io, TB: Io>(isa: Isa, ctx: &Ctx<T, TB>, plan: &Plan, blocks: Range<usize>, scratch: &mut [f32]) {
+fn worker<T: Io, TB: Io>(isa: Isa, ctx: &Ctx<T, TB>, plan: &Plan, next: &AtomicUsize, scratch: &mut [f32]) {
     // SAFETY (both unsafe calls): `Isa::detect` saw the features these functions are compiled for.
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { worker_avx512(ctx, plan, blocks, scratch) },
+        Isa::Avx512 => unsafe { worker_avx512(ctx, plan, next, scratch) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { worker_avx2(ctx, plan, blocks, scratch) },
-        Isa::Portable => blocks_range::<T, TB, 8, false>(ctx, plan, blocks, scratch),
+        Isa::Avx2 => unsafe { worker_avx2(ctx, plan, next, scratch) },
+        Isa::Portable => segments::<T, TB, 8, false>(ctx, plan, next, scratch),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-fn worker_avx512<T: Io, TB: Io>(ctx: &Ctx<T, TB>, plan: &Plan, blocks: Range<usize>, scratch: &mut [f32]) {
-    blocks_range::<T, TB, 16, true>(ctx, plan, blocks, scratch)
+fn worker_avx512<T: Io, TB: Io>(ctx: &Ctx<T, TB>, plan: &Plan, next: &AtomicUsize, scratch: &mut [f32]) {
+    segments::<T, TB, 16, true>(ctx, plan, next, scratch)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn worker_avx2<T: Io, TB: Io>(ctx: &Ctx<T, TB>, plan: &Plan, blocks: Range<usize>, scratch: &mut [f32]) {
-    blocks_range::<T, TB, 8, true>(ctx, plan, blocks, scratch)
+fn worker_avx2<T: Io, TB: Io>(ctx: &Ctx<T, TB>, plan: &Plan, next: &AtomicUsize, scratch: &mut [f32]) {
+    segments::<T, TB, 8, true>(ctx, plan, next, scratch)
 }
 
 // ------------------------------------------------------------------------------------ worker
@@ -636,12 +684,12 @@ fn take_lanes<'a, const W: usize>(buf: &mut &'a mut [f32], len: usize) -> &'a mu
     take(buf, len * W).as_chunks_mut::<W>().0
 }
 
-/// Runs blocks `blocks` (consecutive, so that blocks of one (batch, span) come together).
+/// Runs segments taken from `next` until there are none left.
 #[inline(always)]
-fn blocks_range<T: Io, TB: Io, const W: usize, const FMA: bool>(
+fn segments<T: Io, TB: Io, const W: usize, const FMA: bool>(
     ctx: &Ctx<T, TB>,
     plan: &Plan,
-    blocks: Range<usize>,
+    next: &AtomicUsize,
     mut scratch: &mut [f32],
 ) {
     debug_assert_eq!(plan.w, W);
@@ -657,13 +705,16 @@ fn blocks_range<T: Io, TB: Io, const W: usize, const FMA: bool>(
     let cv = take_lanes::<W>(buf, plan.lane_bc() / W);
     let bs = take(buf, plan.shared_bc());
     let cs = take(buf, plan.shared_bc());
+    let x_bytes = std::mem::size_of_val(ctx.u) * if ctx.z.is_some() { 3 } else { 2 };
+    let prefetching = x_bytes > PREFETCH_BYTES;
 
-    let mut start = blocks.start;
-    while start < blocks.end {
-        // A segment: blocks of one (batch, span), at most `plan.segment` of them.
+    loop {
+        let segment = next.fetch_add(1, Ordering::Relaxed);
+        if segment >= plan.segments {
+            break;
+        }
+        let Range { start, end } = plan.segment_blocks(segment);
         let (b, g, _, _) = plan.block(start);
-        let span_end = (start / plan.blocks_per_span + 1) * plan.blocks_per_span;
-        let end = blocks.end.min(span_end).min(start + plan.segment);
         let seg_states = &mut states[..(end - start) * n];
 
         for (k, i) in (start..end).enumerate() {
@@ -684,7 +735,7 @@ fn blocks_range<T: Io, TB: Io, const W: usize, const FMA: bool>(
                 // The next block's chunk (or the first block's next chunk) arrives while this one
                 // computes.
                 let (next, next_l0) = if i + 1 < end { (i + 1, l0) } else { (start, l0 + plan.chunk) };
-                if next_l0 < plan.seqlen {
+                if prefetching && next_l0 < plan.seqlen {
                     let (_, _, next_first, next_width) = plan.block(next);
                     let next_steps = plan.chunk.min(plan.seqlen - next_l0);
                     for x in [Some(ctx.delta), Some(ctx.u), ctx.z].into_iter().flatten() {
@@ -720,7 +771,6 @@ fn blocks_range<T: Io, TB: Io, const W: usize, const FMA: bool>(
                 }
             }
         }
-        start = end;
     }
 }
 
@@ -874,9 +924,25 @@ fn stage_shared_bc<TB: Io>(src: &[TB], p: &Geom, b: usize, g: usize, l0: usize, 
         return;
     }
     if p.bc_stride_seq == 1 {
+        // [state][step] rows: transposed through registers in TILE x TILE pieces where the sizes
+        // allow, element by element for the rest.
+        let done = if n % TILE == 0 { steps - steps % TILE } else { 0 };
+        for s0 in (0..n).step_by(TILE).filter(|_| done > 0) {
+            for t0 in (0..done).step_by(TILE) {
+                let piece: [[f32; TILE]; TILE] = build(|i| {
+                    let row: &[TB; TILE] = src[p.bc(b, d, s0 + i, l0 + t0)..][..TILE].try_into().unwrap();
+                    build(|k| row[k].load())
+                });
+                let mut tile = [[0f32; TILE]; TILE];
+                transpose(&piece, &mut tile);
+                for (k, row) in tile.iter().enumerate() {
+                    dst[(t0 + k) * n + s0..][..TILE].copy_from_slice(row);
+                }
+            }
+        }
         for s in 0..n {
-            for (step, e) in src[p.bc(b, d, s, l0)..][..steps].iter().enumerate() {
-                dst[step * n + s] = e.load();
+            for (step, e) in src[p.bc(b, d, s, l0 + done)..][..steps - done].iter().enumerate() {
+                dst[(done + step) * n + s] = e.load();
             }
         }
     } else {

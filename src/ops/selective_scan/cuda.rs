@@ -5,9 +5,11 @@
 //! - `lanes`: 1..32 lanes per channel with 8 states each; any dstate up to 256, any groups, any
 //!   alignment.
 //!
-//! The tiled kernel is taken wherever it applies; `XLA_SSM_FWD_KERNEL=lanes` forces the other.
+//! The tiled kernel is taken wherever it applies; `XLA_SSM_FWD_KERNEL=lanes` forces the other. When
+//! the host passes a workspace and batch x dim is small, the tiled kernel splits the sequence
+//! ([`super::split_plan`]): two launches, a chunk-local pass and the final one.
 
-use super::Fwd;
+use super::{split_plan, workspace_bytes, Fwd, FwdParams};
 use crate::error::Result;
 use once_cell::sync::Lazy;
 use std::ffi::c_void;
@@ -78,18 +80,28 @@ pub(super) fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
     let use_tiled = tiled_supported(fwd) && *FORCED != Choice::Lanes;
     if use_tiled {
         let form = if fwd.bc_time_varying { "varying" } else { "invariant" };
-        let kernel = format!("selective_scan_fwd_tiled_{types}_{form}");
-        let config = LaunchConfig {
-            grid: (((p.dim + TILE_CHANNELS - 1) / TILE_CHANNELS) as u64, p.batch as u64),
+        let tiles = ((p.dim + TILE_CHANNELS - 1) / TILE_CHANNELS) as u64;
+        let config = |chunks: i64| LaunchConfig {
+            grid: (tiles, p.batch as u64, chunks as u64),
             block: TILED_THREADS,
             shared_bytes: tiled_shared_bytes(elem_bytes(fwd)),
         };
-        launch(stream, "selective_scan_fwd", &kernel, config, p)
+        let (chunk_len, n_chunks) = split_plan(p.batch, p.dim, p.seqlen);
+        let needed = workspace_bytes(p.batch, p.dim, p.seqlen, p.dstate);
+        if n_chunks > 1 && needed > 0 && fwd.workspace_bytes >= needed && !p.workspace.is_null() {
+            let split = FwdParams { chunk_len, n_chunks, ..*p };
+            let local = format!("selective_scan_fwd_tiled_local_{types}_{form}");
+            launch(stream, "selective_scan_fwd", &local, config(n_chunks - 1), &split)?;
+            let kernel = format!("selective_scan_fwd_tiled_{types}_{form}");
+            return launch(stream, "selective_scan_fwd", &kernel, config(n_chunks), &split);
+        }
+        let kernel = format!("selective_scan_fwd_tiled_{types}_{form}");
+        launch(stream, "selective_scan_fwd", &kernel, config(1), p)
     } else {
         let ns = lanes_per_channel(p.dstate);
         let kernel = format!("selective_scan_fwd_lanes_{types}_ns{ns}");
         let blocks = ((p.batch * p.dim * ns) as u64).div_ceil(LANES_BLOCK as u64);
-        let config = LaunchConfig { grid: (blocks, 1), block: LANES_BLOCK, shared_bytes: 0 };
+        let config = LaunchConfig { grid: (blocks, 1, 1), block: LANES_BLOCK, shared_bytes: 0 };
         launch(stream, "selective_scan_fwd", &kernel, config, p)
     }
 }

@@ -51,6 +51,9 @@ pub struct FwdArgs<'a> {
     pub initial_state: Option<&'a Tensor>,
     pub out: &'a Tensor,
     pub final_state: &'a Tensor,
+    /// Scratch for the CUDA kernel's sequence split (see [`workspace_bytes`]); any dtype, contents
+    /// undefined afterwards. Without it (or when it is too small) the scan runs unsplit.
+    pub workspace: Option<&'a Tensor>,
     pub delta_softplus: bool,
     pub layout: Layout,
 }
@@ -87,10 +90,14 @@ pub struct FwdParams {
     pub bc_stride_seq: i64,
     pub delta_softplus: i32,
     pub _reserved: i32,
+    /// Sequence split (CUDA tiled kernel): per-chunk records, [n_chunks - 1][batch][dim][dstate + 1] f32.
+    pub workspace: *mut f32,
+    pub chunk_len: i64,
+    pub n_chunks: i64,
 }
 
 // The CUDA mirror asserts the same size.
-const _: () = assert!(std::mem::size_of::<FwdParams>() == 11 * 8 + 12 * 8 + 8);
+const _: () = assert!(std::mem::size_of::<FwdParams>() == 11 * 8 + 12 * 8 + 8 + 3 * 8);
 
 /// A validated forward call.
 #[derive(Debug, Clone, Copy)]
@@ -102,6 +109,38 @@ pub struct Fwd {
     pub bc_dtype: DType,
     /// B and C are (batch, groups, dstate, seqlen)-like rather than (dim, dstate).
     pub bc_time_varying: bool,
+    /// Size of the workspace the host passed (0: none).
+    pub workspace_bytes: i64,
+}
+
+/// Chunks of the CUDA kernel's sequence split: (chunk_len, n_chunks). A small batch x dim leaves the
+/// GPU idle, so the sequence is cut into chunks scanned in parallel: a first pass records each
+/// chunk's end state from zero, a second carries the true states in and writes the output. Only
+/// when there are fewer than [`SPLIT_TARGET_BLOCKS`] / 2 tiles of 128 channels; depends on the
+/// shape alone, so that a host can size the workspace before it knows the device.
+pub fn split_plan(batch: i64, dim: i64, seqlen: i64) -> (i64, i64) {
+    let tiles = batch * ((dim + 127) / 128);
+    if tiles == 0 || 2 * tiles >= SPLIT_TARGET_BLOCKS || seqlen < 2 * SPLIT_MIN_CHUNK {
+        return (seqlen, 1);
+    }
+    let chunks = ((SPLIT_TARGET_BLOCKS + tiles - 1) / tiles).min(seqlen / SPLIT_MIN_CHUNK);
+    // A whole number of tile steps (32 for 2-byte types, 16 for f32).
+    let chunk_len = ((seqlen + chunks - 1) / chunks + 31) / 32 * 32;
+    (chunk_len, (seqlen + chunk_len - 1) / chunk_len)
+}
+
+/// Blocks the split aims for: two per multiprocessor of an H100 (132).
+pub const SPLIT_TARGET_BLOCKS: i64 = 264;
+/// Shortest chunk worth a block of its own.
+pub const SPLIT_MIN_CHUNK: i64 = 64;
+
+/// Bytes of workspace that let the CUDA forward scan split the sequence (0: it never splits).
+pub fn workspace_bytes(batch: i64, dim: i64, seqlen: i64, dstate: i64) -> i64 {
+    let (_, n_chunks) = split_plan(batch, dim, seqlen);
+    if n_chunks <= 1 || dstate > 16 {
+        return 0;
+    }
+    (n_chunks - 1) * batch * dim * 17 * 4
 }
 
 const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
@@ -256,8 +295,12 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
         bc_stride_seq,
         delta_softplus: args.delta_softplus as i32,
         _reserved: 0,
+        workspace: args.workspace.map_or(std::ptr::null_mut(), |w| w.data as *mut f32),
+        chunk_len: seqlen,
+        n_chunks: 1,
     };
-    Ok(Fwd { params, dtype, bc_dtype: b.dtype, bc_time_varying: time_varying })
+    let workspace_bytes = args.workspace.map_or(0, |w| w.numel() * w.dtype.size_bytes());
+    Ok(Fwd { params, dtype, bc_dtype: b.dtype, bc_time_varying: time_varying, workspace_bytes })
 }
 
 /// Runs a validated forward call.
@@ -302,9 +345,9 @@ pub fn fwd_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
             frame.num_args()
         )));
     }
-    if frame.num_rets() != 2 {
+    if !(2..=3).contains(&frame.num_rets()) {
         return Err(Error::invalid(format!(
-            "selective_scan_fwd: expected 2 results (out, final_state), got {}",
+            "selective_scan_fwd: expected 2 or 3 results (out, final_state[, workspace]), got {}",
             frame.num_rets()
         )));
     }
@@ -313,6 +356,7 @@ pub fn fwd_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
     let find = |name: &str| names.iter().position(|n| *n == name).map(|i| &operands[i]);
     let out = frame.ret(0, "out").map_err(prefix)?;
     let final_state = frame.ret(1, "final_state").map_err(prefix)?;
+    let workspace = if frame.num_rets() == 3 { Some(frame.ret(2, "workspace").map_err(prefix)?) } else { None };
     let args = FwdArgs {
         u: &operands[0],
         delta: &operands[1],
@@ -325,6 +369,7 @@ pub fn fwd_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
         initial_state: find("initial_state"),
         out: &out,
         final_state: &final_state,
+        workspace: workspace.as_ref(),
         delta_softplus,
         layout,
     };
