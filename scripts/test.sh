@@ -16,6 +16,9 @@ cargo fmt --check
 section "cargo clippy --release --all-targets -- -D warnings"
 cargo clippy --release --all-targets -- -D warnings
 
+section "cargo clippy --no-default-features (the CPU-only library)"
+cargo clippy --release --all-targets --no-default-features -- -D warnings
+
 section "cargo test --release"
 cargo test --release
 
@@ -26,5 +29,8 @@ section "pytest tests/python"
 export XLA_SSM_LIBRARY="$PWD/target/release/libxla_ssm.so"
 export PYTHONPATH="$PWD/bindings/python${PYTHONPATH:+:$PYTHONPATH}"
 python -m pytest tests/python -q -ra
+
+section "bench (CPU, quick): our CPU target against jax.lax.scan, outputs checked"
+python bench/bench_selective_scan.py --device cpu --quick --no-baselines --out "${TMPDIR:-/tmp}/xla_ssm_bench"
 
 section "all tests passed"

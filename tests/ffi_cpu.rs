@@ -42,11 +42,11 @@ fn odd_seqlens_layouts_groups_dstates() {
                 cases.push(Case {
                     layout,
                     groups,
-                    has_d: i % 2 == 0,
-                    has_z: i % 3 == 0,
+                    has_d: i.is_multiple_of(2),
+                    has_z: i.is_multiple_of(3),
                     has_delta_bias: i % 4 < 2,
                     has_initial_state: i % 5 < 3,
-                    softplus: i % 7 != 0,
+                    softplus: !i.is_multiple_of(7),
                     seed: i,
                     ..Case::new(2, 8, seqlen, dstate)
                 });

@@ -145,9 +145,10 @@ const EXP_MAX: f32 = 88.3;
 #[inline(always)]
 fn exp<const W: usize, const FMA: bool>(x: V<W>) -> V<W> {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4; // 0.693359375: 9 significant bits
-    const LN2_LO: f32 = -2.121_944_4e-4; // ln2 - LN2_HI
-                                         // Adding 1.5 * 2^23 rounds to an integer (ties to even) and leaves it in the low mantissa bits.
+    // ln2 = LN2_HI + LN2_LO, LN2_HI = 0.693359375 with 9 significant bits.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // Adding 1.5 * 2^23 rounds to an integer (ties to even) and leaves it in the low mantissa bits.
     const SHIFT: f32 = 12_582_912.0;
     // One comparison each, in the form that compiles to max/min instructions; NaN fails both
     // tests and flows through.
@@ -187,11 +188,12 @@ fn exp2<const W: usize, const FMA: bool>(x: V<W>) -> V<W> {
     let x = x.map(|x| if x > EXP2_MAX { EXP2_MAX } else { x });
     let x = x.map(|x| if x < EXP2_MIN { EXP2_MIN } else { x });
     let t = x.map(|x| x + SHIFT);
-    let r = t.zip(x, |t, x| x - (t - SHIFT)); // exact, in [-1/2, 1/2]
-                                              // 2^r = 1 + r c(r): the coefficients of `exp`'s polynomial scaled by powers of ln 2 (no bias at
-                                              // r = 0 for the same reason; relative error 1.1e-7).
+    // r is exact, in [-1/2, 1/2].
+    let r = t.zip(x, |t, x| x - (t - SHIFT));
+    // 2^r = 1 + r c(r): the coefficients of `exp`'s polynomial scaled by powers of ln 2 (no bias at
+    // r = 0 for the same reason; relative error 1.1e-7).
     let mut p = V::splat(1.330_025_8e-3);
-    for c in [9.669_718e-3, 5.550_56e-2, 0.240_222_81, 0.693_147_2, 1.0] {
+    for c in [9.669_718e-3, 5.550_56e-2, 0.240_222_81, std::f32::consts::LN_2, 1.0] {
         p = p.mul_add::<FMA>(r, V::splat(c));
     }
     p.zip(t, |p, t| f32::from_bits(p.to_bits().wrapping_add(t.to_bits() << 23)))
@@ -464,7 +466,7 @@ impl Plan {
     }
 
     /// Cuts the work into about four segments per thread, so that threads that start late or run
-    /// slow (a busy core) take fewer; one thread keeps the largest segments.
+    /// slow (a busy core) take fewer (a single thread keeps the largest segments).
     fn schedule(self, threads: usize) -> Plan {
         if threads <= 1 {
             return self;

@@ -63,7 +63,7 @@ fn tiled_supported(fwd: &Fwd) -> bool {
     // Tiles move 16-byte vectors along the contiguous axis of u, delta, z and out.
     let vec_elems = 16 / elem_bytes(fwd);
     let contiguous_len = if p.x_stride_seq == 1 { p.seqlen } else { p.dim };
-    let aligned = [p.u, p.delta, p.z, p.out as *const c_void].iter().all(|&ptr| ptr as usize % 16 == 0);
+    let aligned = [p.u, p.delta, p.z, p.out as *const c_void].iter().all(|&ptr| (ptr as usize).is_multiple_of(16));
     let vectorizable = aligned && contiguous_len % vec_elems == 0;
     let one_group_per_tile = !fwd.bc_time_varying || p.dim_per_group == p.dim || p.dim_per_group % TILE_CHANNELS == 0;
     vectorizable && p.dstate <= TILED_MAX_DSTATE && one_group_per_tile && p.batch <= u16::MAX as i64
