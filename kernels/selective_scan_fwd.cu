@@ -132,8 +132,11 @@ SSF_ALL_NS(f16, f32)
 #ifndef SSF_POLY_STATES
 #define SSF_POLY_STATES 0
 #endif
+#ifndef SSF_THREADS_PER_CHANNEL
+#define SSF_THREADS_PER_CHANNEL 2
+#endif
 constexpr int kTileChannels = 128;
-constexpr int kThreadsPerChannel = 2;
+constexpr int kThreadsPerChannel = SSF_THREADS_PER_CHANNEL;
 constexpr int kTiledThreads = kTileChannels * kThreadsPerChannel;
 constexpr int kTiledStates = 16;
 constexpr int kThreadStates = kTiledStates / kThreadsPerChannel;
@@ -234,7 +237,7 @@ template <typename T, typename TB, bool kVaryingBC, bool kLocal>
 __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdParams& p) {
     constexpr int N = kTiledStates, K = kThreadStates, S = Tile<T>::kSteps, P = Tile<T>::kPitch;
     constexpr int PF = Tile<T>::kPitchF32;
-    constexpr int kBCPerThread = kVaryingBC ? S * N / kTiledThreads : 1;
+    constexpr int kBCPerThread = kVaryingBC ? (S * N + kTiledThreads - 1) / kTiledThreads : 1;
     extern __shared__ __align__(16) unsigned char shared[];
     float* s_B = reinterpret_cast<float*>(shared);  // [S][N]
     float* s_C = s_B + S * N;
@@ -245,8 +248,8 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     T* s_z = s_delta + kTileChannels * P;
 
     const int c = threadIdx.x / kThreadsPerChannel;  // channel in the tile
-    const int half = threadIdx.x % kThreadsPerChannel;
-    const int n0 = half * K;  // first of this thread's states
+    const int part = threadIdx.x % kThreadsPerChannel;
+    const int n0 = part * K;  // first of this thread's states
     const int64_t b = blockIdx.y;
     const int64_t d0 = int64_t(blockIdx.x) * kTileChannels;
     const int64_t d = d0 + c;
@@ -315,7 +318,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             for (int k = 0; k < kBCPerThread; ++k) {
                 int n, t;
                 bc_index(k, n, t);
-                const bool in = n < p.dstate && t < steps;
+                const bool in = n < p.dstate && t < steps && k * kTiledThreads + int(threadIdx.x) < S * N;
                 const int64_t g = bc_base + n * p.bc_stride_state + (l0 + t) * p.bc_stride_seq;
                 next_B[k] = in ? Bm[g] : from_f32<TB>(0.f);
                 next_C[k] = in ? Cm[g] : from_f32<TB>(0.f);
@@ -335,6 +338,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             for (int k = 0; k < kBCPerThread; ++k) {
                 int n, t;
                 bc_index(k, n, t);
+                if (k * kTiledThreads + int(threadIdx.x) >= S * N) break;
                 s_B[t * N + n] = to_f32(next_B[k]);
                 s_C[t * N + n] = to_f32(next_C[k]);
             }
@@ -345,7 +349,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
         // Per-step scalars of this tile, all independent: the channel's two threads split the steps.
 #pragma unroll 4
         for (int j = 0; j < S / kThreadsPerChannel; ++j) {
-            const int t = j * kThreadsPerChannel + half;
+            const int t = j * kThreadsPerChannel + part;
             float dt = to_f32(s_delta[c * P + t]) + bias;
             if (p.delta_softplus) dt = softplus_fast(dt);
             s_dtf[c * PF + t] = dt;
@@ -400,9 +404,10 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             }
             if (kLocal) continue;
             float y = acc[0] + acc[1];
-            y += __shfl_xor_sync(0xffffffffu, y, 1);
-            // Both threads have read u[t] before the shuffle; one writes the output over it.
-            if (half == 0) s_u[c * P + t] = from_f32<T>(fmaf(skip, cur.u, y) * s_gate[c * PF + t]);
+#pragma unroll
+            for (int offset = 1; offset < kThreadsPerChannel; offset *= 2) y += __shfl_xor_sync(0xffffffffu, y, offset);
+            // All the channel's threads have read u[t] before the shuffle; one writes the output over it.
+            if (part == 0) s_u[c * P + t] = from_f32<T>(fmaf(skip, cur.u, y) * s_gate[c * PF + t]);
         }
         __syncthreads();
         if (!kLocal) store_tile(out, s_u, p, map, time_contiguous, x_base, l0, rows, steps);
@@ -412,7 +417,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     if (kLocal) {
 #pragma unroll
         for (int k = 0; k < K; ++k) record[n0 + k] = h[k];
-        if (half == 0) record[kTiledStates] = dt_sum;
+        if (part == 0) record[kTiledStates] = dt_sum;
     } else if (chunk == p.n_chunks - 1) {
 #pragma unroll
         for (int k = 0; k < K; ++k)
