@@ -1,8 +1,9 @@
 // Mamba-1 selective scan, forward (docs/selective_scan_fwd.md).
 //
-// Two kernels (src/ops/selective_scan/cuda.rs picks one). `lanes`: one channel (b, d) is scanned by NS consecutive lanes of a warp, each holding K = 8 of its dstate
-// states in registers; per step the lanes' partial <C, h> are summed with warp shuffles. Layouts and
-// the two forms of B/C are all expressed through the strides in the parameter struct.
+// Two kernels; src/ops/selective_scan/cuda.rs picks one. `lanes` (any dstate up to 256): one channel
+// (b, d) is scanned by NS consecutive lanes of a warp, each holding K = 8 of its states in registers;
+// per step the lanes' partial <C, h> are summed with warp shuffles. `tiled` (below; dstate <= 16) is
+// the fast one. Layouts and the two forms of B/C are expressed through the parameter struct's strides.
 #include "common.cuh"
 
 // Mirror of `FwdParams` in src/ops/selective_scan/mod.rs: keep field for field.
