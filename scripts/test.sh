@@ -19,8 +19,8 @@ cargo clippy --release --all-targets -- -D warnings
 section "cargo clippy --no-default-features (the CPU-only library)"
 cargo clippy --release --all-targets --no-default-features -- -D warnings
 
-section "cargo test --release"
-cargo test --release
+section "cargo test --release (with each test's output: GPU tests print 'skipped: no CUDA device' here)"
+cargo test --release -- --show-output
 
 section "cargo build --release (the library pytest loads)"
 cargo build --release
