@@ -9,7 +9,7 @@
 //! the host passes a workspace and batch x dim is small, the tiled kernel splits the sequence
 //! ([`super::split_plan`]): two launches, a chunk-local pass and the final one.
 
-use super::{split_plan, workspace_bytes, Fwd, FwdParams};
+use super::{split_plan, workspace_bytes, Fwd, FwdParams, TILED_MAX_DSTATE, TILE_CHANNELS};
 use crate::error::Result;
 use once_cell::sync::Lazy;
 use std::ffi::c_void;
@@ -18,10 +18,8 @@ use crate::cuda::{launch, LaunchConfig};
 
 const LANE_STATES: i64 = 8;
 const LANES_BLOCK: u32 = 128;
-// Mirrors of the tiled kernel's constants (kernels/selective_scan_fwd.cu).
-const TILE_CHANNELS: i64 = 128;
+// Mirror of the tiled kernel's kTiledThreads (kernels/selective_scan_fwd.cu).
 const TILED_THREADS: u32 = 256;
-const TILED_MAX_DSTATE: i64 = 16;
 
 /// `Tile<T>::kSharedBytes`: u, delta, z tiles of 64-byte rows padded by a word, f32 dt and gate
 /// rows padded by one, f32 B and C.
@@ -32,17 +30,8 @@ fn tiled_shared_bytes(elem_bytes: i64) -> u32 {
         as u32
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Choice {
-    Auto,
-    Lanes,
-}
-
 /// `XLA_SSM_FWD_KERNEL=lanes` forces the lanes kernel (tests use it to cover both).
-static FORCED: Lazy<Choice> = Lazy::new(|| match std::env::var("XLA_SSM_FWD_KERNEL").as_deref() {
-    Ok("lanes") => Choice::Lanes,
-    _ => Choice::Auto,
-});
+static FORCE_LANES: Lazy<bool> = Lazy::new(|| std::env::var("XLA_SSM_FWD_KERNEL").as_deref() == Ok("lanes"));
 
 /// Lanes per channel: enough lanes of 8 states to cover dstate, a power of two up to 32.
 fn lanes_per_channel(dstate: i64) -> i64 {
@@ -50,18 +39,10 @@ fn lanes_per_channel(dstate: i64) -> i64 {
     (lanes.max(1) as u64).next_power_of_two() as i64
 }
 
-fn elem_bytes(fwd: &Fwd) -> i64 {
-    if fwd.dtype == crate::DType::F32 {
-        4
-    } else {
-        2
-    }
-}
-
 fn tiled_supported(fwd: &Fwd) -> bool {
     let p = &fwd.params;
     // Tiles move 16-byte vectors along the contiguous axis of u, delta, z and out.
-    let vec_elems = 16 / elem_bytes(fwd);
+    let vec_elems = 16 / fwd.dtype.size_bytes();
     let contiguous_len = if p.x_stride_seq == 1 { p.seqlen } else { p.dim };
     let aligned = [p.u, p.delta, p.z, p.out as *const c_void].iter().all(|&ptr| (ptr as usize).is_multiple_of(16));
     let vectorizable = aligned && contiguous_len % vec_elems == 0;
@@ -77,25 +58,25 @@ pub(super) fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
     let types = format!("{}_{}", fwd.dtype.name(), fwd.bc_dtype.name());
     // The tiled kernel is about 4x faster than the lanes kernel at every shape measured (H100,
     // BENCHMARKS.md), small ones included; lanes covers what tiled does not.
-    let use_tiled = tiled_supported(fwd) && *FORCED != Choice::Lanes;
-    if use_tiled {
+    if tiled_supported(fwd) && !*FORCE_LANES {
         let form = if fwd.bc_time_varying { "varying" } else { "invariant" };
         let tiles = ((p.dim + TILE_CHANNELS - 1) / TILE_CHANNELS) as u64;
         let config = |chunks: i64| LaunchConfig {
             grid: (tiles, p.batch as u64, chunks as u64),
             block: TILED_THREADS,
-            shared_bytes: tiled_shared_bytes(elem_bytes(fwd)),
+            shared_bytes: tiled_shared_bytes(fwd.dtype.size_bytes()),
         };
+        let kernel = format!("selective_scan_fwd_tiled_{types}_{form}");
         let (chunk_len, n_chunks) = split_plan(p.batch, p.dim, p.seqlen);
         let needed = workspace_bytes(p.batch, p.dim, p.seqlen, p.dstate);
-        if n_chunks > 1 && needed > 0 && fwd.workspace_bytes >= needed && !p.workspace.is_null() {
+        // The records are f32: a host's misaligned scratch is not used rather than faulted on.
+        let usable = !p.workspace.is_null() && (p.workspace as usize).is_multiple_of(4);
+        if n_chunks > 1 && needed > 0 && fwd.workspace_bytes >= needed && usable {
             let split = FwdParams { chunk_len, n_chunks, ..*p };
             let local = format!("selective_scan_fwd_tiled_local_{types}_{form}");
             launch(stream, "selective_scan_fwd", &local, config(n_chunks - 1), &split)?;
-            let kernel = format!("selective_scan_fwd_tiled_{types}_{form}");
             return launch(stream, "selective_scan_fwd", &kernel, config(n_chunks), &split);
         }
-        let kernel = format!("selective_scan_fwd_tiled_{types}_{form}");
         launch(stream, "selective_scan_fwd", &kernel, config(1), p)
     } else {
         let ns = lanes_per_channel(p.dstate);

@@ -113,13 +113,24 @@ pub struct Fwd {
     pub workspace_bytes: i64,
 }
 
+/// Channels per block of the CUDA `tiled` kernel (`kTileChannels`).
+pub const TILE_CHANNELS: i64 = 128;
+/// Largest dstate of the CUDA `tiled` kernel (`kTiledStates`), the only one that splits.
+pub const TILED_MAX_DSTATE: i64 = 16;
+/// f32s per (chunk, batch, channel) record of the split: end state, then sum of dt (`kChunkRecord`).
+const SPLIT_RECORD_FLOATS: i64 = TILED_MAX_DSTATE + 1;
+/// Blocks the split aims for: two per multiprocessor of an H100 (132).
+pub const SPLIT_TARGET_BLOCKS: i64 = 264;
+/// Shortest chunk worth a block of its own.
+pub const SPLIT_MIN_CHUNK: i64 = 64;
+
 /// Chunks of the CUDA kernel's sequence split: (chunk_len, n_chunks). A small batch x dim leaves the
 /// GPU idle, so the sequence is cut into chunks scanned in parallel: a first pass records each
 /// chunk's end state from zero, a second carries the true states in and writes the output. Only
-/// when there are fewer than [`SPLIT_TARGET_BLOCKS`] / 2 tiles of 128 channels; depends on the
-/// shape alone, so that a host can size the workspace before it knows the device.
+/// when there are fewer than [`SPLIT_TARGET_BLOCKS`] / 2 tiles of channels; depends on the shape
+/// alone, so that a host can size the workspace before it knows the device.
 pub fn split_plan(batch: i64, dim: i64, seqlen: i64) -> (i64, i64) {
-    let tiles = batch * ((dim + 127) / 128);
+    let tiles = batch * ((dim + TILE_CHANNELS - 1) / TILE_CHANNELS);
     if tiles == 0 || 2 * tiles >= SPLIT_TARGET_BLOCKS || seqlen < 2 * SPLIT_MIN_CHUNK {
         return (seqlen, 1);
     }
@@ -129,18 +140,13 @@ pub fn split_plan(batch: i64, dim: i64, seqlen: i64) -> (i64, i64) {
     (chunk_len, (seqlen + chunk_len - 1) / chunk_len)
 }
 
-/// Blocks the split aims for: two per multiprocessor of an H100 (132).
-pub const SPLIT_TARGET_BLOCKS: i64 = 264;
-/// Shortest chunk worth a block of its own.
-pub const SPLIT_MIN_CHUNK: i64 = 64;
-
 /// Bytes of workspace that let the CUDA forward scan split the sequence (0: it never splits).
 pub fn workspace_bytes(batch: i64, dim: i64, seqlen: i64, dstate: i64) -> i64 {
     let (_, n_chunks) = split_plan(batch, dim, seqlen);
-    if n_chunks <= 1 || dstate > 16 {
+    if n_chunks <= 1 || dstate > TILED_MAX_DSTATE {
         return 0;
     }
-    (n_chunks - 1) * batch * dim * 17 * 4
+    (n_chunks - 1) * batch * dim * SPLIT_RECORD_FLOATS * 4
 }
 
 const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
