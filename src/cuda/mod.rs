@@ -210,3 +210,20 @@ pub fn launch<P>(
         &format!("launching {kernel}"),
     )
 }
+
+/// Enqueues a device-to-device copy of `bytes` on `stream` (capturable in CUDA graphs): for in-place
+/// operands that XLA did not alias to their results.
+pub fn copy_async(stream: *mut c_void, dst: *mut c_void, src: *const c_void, bytes: usize) -> Result<()> {
+    if bytes == 0 || dst as *const c_void == src {
+        return Ok(());
+    }
+    driver()?;
+    let stream = stream as sys::CUstream;
+    let ctx = stream_context(stream)?;
+    let _current = ContextGuard::push(ctx)?;
+    // SAFETY: device buffers of at least `bytes` bytes in this context, validated by the caller.
+    check(
+        unsafe { sys::cuMemcpyDtoDAsync_v2(dst as sys::CUdeviceptr, src as sys::CUdeviceptr, bytes, stream) },
+        "cuMemcpyDtoDAsync",
+    )
+}

@@ -67,3 +67,9 @@ pub fn expect_nonnull(t: &Tensor, what: &str) -> Result<()> {
     }
     Ok(())
 }
+
+// Decode-time operations (docs/decode.md).
+pub mod args;
+pub mod conv1d;
+pub mod mamba_decode;
+pub mod state_update;

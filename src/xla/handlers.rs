@@ -94,3 +94,122 @@ pub unsafe extern "C" fn xla_ssm_selective_scan_fwd_cuda(call_frame: *mut XLA_FF
         selective_scan::fwd_from_frame(frame, Platform::Cuda { stream })
     })
 }
+
+// ---- Decode-time targets (docs/decode.md). In-place operands are aliased to their results with
+// `input_output_aliases`; without the alias the handler copies the operand into the result first.
+use crate::ops::{conv1d, mamba_decode, state_update};
+
+/// XLA FFI handler of `xla_ssm_selective_state_update` (selective state update (one decode token, state in place)) for platform "cpu".
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_selective_state_update_cpu(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, 0, |frame| state_update::from_frame(frame, Platform::Cpu))
+}
+
+/// XLA FFI handler of `xla_ssm_selective_state_update` for platform "CUDA". Runs on XLA's stream, allocates
+/// nothing and never synchronizes (the copy of a non-aliased state is an async device copy), so it is
+/// safe in CUDA graphs (command buffers).
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_selective_state_update_cuda(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, |frame| {
+        let stream = frame.stream()?;
+        state_update::from_frame(frame, Platform::Cuda { stream })
+    })
+}
+
+/// XLA FFI handler of `xla_ssm_causal_conv1d_fwd` (causal conv1d forward) for platform "cpu".
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_causal_conv1d_fwd_cpu(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, 0, |frame| conv1d::from_frame(frame, Platform::Cpu, conv1d::Kind::Fwd))
+}
+
+/// XLA FFI handler of `xla_ssm_causal_conv1d_fwd` for platform "CUDA". Runs on XLA's stream, allocates
+/// nothing and never synchronizes (the copy of a non-aliased state is an async device copy), so it is
+/// safe in CUDA graphs (command buffers).
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_causal_conv1d_fwd_cuda(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, |frame| {
+        let stream = frame.stream()?;
+        conv1d::from_frame(frame, Platform::Cuda { stream }, conv1d::Kind::Fwd)
+    })
+}
+
+/// XLA FFI handler of `xla_ssm_causal_conv1d_bwd` (causal conv1d backward) for platform "cpu".
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_causal_conv1d_bwd_cpu(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, 0, |frame| conv1d::from_frame(frame, Platform::Cpu, conv1d::Kind::Bwd))
+}
+
+/// XLA FFI handler of `xla_ssm_causal_conv1d_bwd` for platform "CUDA". Runs on XLA's stream, allocates
+/// nothing and never synchronizes (the copy of a non-aliased state is an async device copy), so it is
+/// safe in CUDA graphs (command buffers).
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_causal_conv1d_bwd_cuda(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, |frame| {
+        let stream = frame.stream()?;
+        conv1d::from_frame(frame, Platform::Cuda { stream }, conv1d::Kind::Bwd)
+    })
+}
+
+/// XLA FFI handler of `xla_ssm_causal_conv1d_update` (causal conv1d update (conv state in place)) for platform "cpu".
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_causal_conv1d_update_cpu(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, 0, |frame| conv1d::from_frame(frame, Platform::Cpu, conv1d::Kind::Update))
+}
+
+/// XLA FFI handler of `xla_ssm_causal_conv1d_update` for platform "CUDA". Runs on XLA's stream, allocates
+/// nothing and never synchronizes (the copy of a non-aliased state is an async device copy), so it is
+/// safe in CUDA graphs (command buffers).
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_causal_conv1d_update_cuda(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, |frame| {
+        let stream = frame.stream()?;
+        conv1d::from_frame(frame, Platform::Cuda { stream }, conv1d::Kind::Update)
+    })
+}
+
+/// XLA FFI handler of `xla_ssm_mamba_decode_step` (fused decode step (conv update + SiLU + state update + gate)) for platform "cpu".
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_mamba_decode_step_cpu(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, 0, |frame| mamba_decode::from_frame(frame, Platform::Cpu))
+}
+
+/// XLA FFI handler of `xla_ssm_mamba_decode_step` for platform "CUDA". Runs on XLA's stream, allocates
+/// nothing and never synchronizes (the copy of a non-aliased state is an async device copy), so it is
+/// safe in CUDA graphs (command buffers).
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_mamba_decode_step_cuda(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, |frame| {
+        let stream = frame.stream()?;
+        mamba_decode::from_frame(frame, Platform::Cuda { stream })
+    })
+}

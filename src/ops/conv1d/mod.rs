@@ -1,0 +1,367 @@
+//! `causal_conv1d_fwd`, `causal_conv1d_bwd`, `causal_conv1d_update`: the depthwise causal convolution
+//! in front of Mamba's scan (docs/decode.md has the ABI). Per channel d, with W = width:
+//!
+//! ```text
+//! pre[t] = bias[d] + sum_k weight[d, k] * xpad[t - (W - 1) + k]     (xpad[t] = x[t], t >= 0;
+//! out[t] = silu(pre[t]) if silu else pre[t]                         initial_states[W - 1 + t], t < 0, or 0)
+//! ```
+//! The update op runs the same recurrence token by token from `conv_state` (the last W - 1 inputs,
+//! oldest first) and leaves the newest W - 1 inputs there, in place.
+
+use super::args::{self, Alias};
+use super::selective_scan::Layout;
+use super::state_update::{check_indices_host, opt_ptr, slots};
+use super::{expect, expect_dtype, expect_nonnull, fmt_dims, Platform, Tensor};
+use crate::error::{Error, Result};
+use crate::xla::frame::Frame;
+use crate::DType;
+use std::ffi::c_void;
+
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+
+pub use cpu::update_values;
+
+pub const MIN_WIDTH: i64 = 2;
+pub const MAX_WIDTH: i64 = 4;
+
+const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+/// Which of the three operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Fwd,
+    Bwd,
+    Update,
+}
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Fwd => "causal_conv1d_fwd",
+            Kind::Bwd => "causal_conv1d_bwd",
+            Kind::Update => "causal_conv1d_update",
+        }
+    }
+}
+
+/// Kernel parameters of all three, mirrored by `ConvParams` in `kernels/decode.cuh`. Unused and
+/// absent operands are null; strides (elements) address x, out, dout and dx alike.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ConvParams {
+    pub x: *const c_void,
+    pub weight: *const c_void,
+    pub bias: *const c_void,
+    /// fwd / bwd: (batch, dim, width - 1), like x's dtype.
+    pub initial_states: *const c_void,
+    /// update: (n_slots, dim, width - 1), like x's dtype, updated in place.
+    pub conv_state: *mut c_void,
+    pub state_batch_indices: *const i32,
+    /// fwd / update: out; bwd: dx.
+    pub out: *mut c_void,
+    pub dout: *const c_void,
+    pub dweight: *mut c_void,
+    pub dbias: *mut c_void,
+    pub dinitial_states: *mut c_void,
+    pub batch: i64,
+    pub dim: i64,
+    pub seqlen: i64,
+    pub width: i64,
+    pub n_slots: i64,
+    pub x_stride_batch: i64,
+    pub x_stride_dim: i64,
+    pub x_stride_seq: i64,
+    pub silu: i32,
+    pub _reserved: i32,
+}
+
+const _: () = assert!(std::mem::size_of::<ConvParams>() == 11 * 8 + 8 * 8 + 8);
+
+/// A validated call of one of the three.
+#[derive(Debug, Clone, Copy)]
+pub struct Conv {
+    pub kind: Kind,
+    pub params: ConvParams,
+    /// dtype of x, out, dout, dx and the states.
+    pub dtype: DType,
+    /// dtype of weight and bias (and their gradients).
+    pub weight_dtype: DType,
+    /// update: how conv_state reaches its result.
+    pub alias: Alias,
+    pub state_in: *const c_void,
+}
+
+/// The operands of any of the three; those an op does not take are `None`.
+pub struct ConvArgs<'a> {
+    pub kind: Kind,
+    pub x: &'a Tensor,
+    pub weight: &'a Tensor,
+    pub bias: Option<&'a Tensor>,
+    pub initial_states: Option<&'a Tensor>,
+    /// bwd.
+    pub dout: Option<&'a Tensor>,
+    /// update: the operand and the (aliased) result.
+    pub conv_state: Option<(&'a Tensor, &'a Tensor)>,
+    pub state_batch_indices: Option<&'a Tensor>,
+    /// fwd / update: out; bwd: dx.
+    pub out: &'a Tensor,
+    /// bwd.
+    pub dweight: Option<&'a Tensor>,
+    pub dbias: Option<&'a Tensor>,
+    pub dinitial_states: Option<&'a Tensor>,
+    pub silu: bool,
+    pub layout: Layout,
+}
+
+pub fn parse_layout(op: &str, s: &str) -> Result<Layout> {
+    match s {
+        "bdl" => Ok(Layout::ChannelFirst),
+        "bld" => Ok(Layout::ChannelLast),
+        other => Err(Error::invalid(format!("{op}: attribute `layout`: expected \"bdl\" or \"bld\", got {other:?}"))),
+    }
+}
+
+/// Checks `weight` (dim, width) and `bias` (dim); returns width.
+pub(crate) fn check_weight(op: &str, dim: i64, dtype: DType, weight: &Tensor, bias: Option<&Tensor>) -> Result<i64> {
+    if weight.dims.len() != 2 || weight.dims[0] != dim || !(MIN_WIDTH..=MAX_WIDTH).contains(&weight.dims[1]) {
+        return Err(Error::invalid(format!(
+            "{op}: operand `weight`: expected shape ({dim}, width) [dim, width] with width in {MIN_WIDTH}..={MAX_WIDTH}, got {}",
+            fmt_dims(&weight.dims)
+        )));
+    }
+    let allowed: Vec<DType> = if dtype == DType::F32 { vec![DType::F32] } else { vec![DType::F32, dtype] };
+    expect_dtype(weight, &format!("{op}: operand `weight`"), &allowed)?;
+    if let Some(bias) = bias {
+        expect(bias, &format!("{op}: operand `bias` (dtype of weight)"), &[dim], "[dim]", &[weight.dtype])?;
+    }
+    Ok(weight.dims[1])
+}
+
+pub fn validate(a: &ConvArgs) -> Result<Conv> {
+    let op = a.kind.name();
+    let x = a.x;
+    let rank_ok = match a.kind {
+        Kind::Update => x.dims.len() == 2 || x.dims.len() == 3,
+        _ => x.dims.len() == 3,
+    };
+    let x_meaning = match (x.dims.len(), a.layout) {
+        (2, _) => "[batch, dim]",
+        (_, Layout::ChannelFirst) => "[batch, dim, seqlen]",
+        (_, Layout::ChannelLast) => "[batch, seqlen, dim]",
+    };
+    if !rank_ok || x.dims.iter().any(|&v| v < 0) {
+        let want = if a.kind == Kind::Update { "rank 2 [batch, dim] or rank 3" } else { "rank 3" };
+        return Err(Error::invalid(format!(
+            "{op}: operand `x`: expected {want} ({}), got shape {}",
+            if a.layout == Layout::ChannelFirst {
+                "layout bdl: [batch, dim, seqlen]"
+            } else {
+                "layout bld: [batch, seqlen, dim]"
+            },
+            fmt_dims(&x.dims)
+        )));
+    }
+    expect_dtype(x, &format!("{op}: operand `x`"), &FLOATS)?;
+    let dtype = x.dtype;
+    let (batch, dim, seqlen) = match (x.dims.len(), a.layout) {
+        (2, _) => (x.dims[0], x.dims[1], 1),
+        (_, Layout::ChannelFirst) => (x.dims[0], x.dims[1], x.dims[2]),
+        (_, Layout::ChannelLast) => (x.dims[0], x.dims[2], x.dims[1]),
+    };
+    let width = check_weight(op, dim, dtype, a.weight, a.bias)?;
+    let state_dims = [batch, dim, width - 1];
+    if let Some(h0) = a.initial_states {
+        expect(h0, &format!("{op}: operand `initial_states`"), &state_dims, "[batch, dim, width - 1]", &[dtype])?;
+    }
+    if let Some(dout) = a.dout {
+        expect(dout, &format!("{op}: operand `dout`"), &x.dims, x_meaning, &[dtype])?;
+    }
+    let out_name = if a.kind == Kind::Bwd { "dx" } else { "out" };
+    expect(a.out, &format!("{op}: result `{out_name}`"), &x.dims, x_meaning, &[dtype])?;
+    if let Some(dw) = a.dweight {
+        expect(dw, &format!("{op}: result `dweight`"), &a.weight.dims, "[dim, width]", &[a.weight.dtype])?;
+    }
+    if let (Some(db), Some(bias)) = (a.dbias, a.bias) {
+        expect(db, &format!("{op}: result `dbias`"), &bias.dims, "[dim]", &[bias.dtype])?;
+    }
+    if let Some(dh0) = a.dinitial_states {
+        expect(dh0, &format!("{op}: result `dinitial_states`"), &state_dims, "[batch, dim, width - 1]", &[dtype])?;
+    }
+    let (mut n_slots, mut alias, mut state_in, mut conv_state) =
+        (0, Alias::InPlace, std::ptr::null(), std::ptr::null_mut());
+    if let Some((cs, cs_out)) = a.conv_state {
+        n_slots = slots(op, batch, a.state_batch_indices, cs, "conv_state")?;
+        let dims = [n_slots, dim, width - 1];
+        expect(cs, &format!("{op}: operand `conv_state`"), &dims, "[slots, dim, width - 1]", &[dtype])?;
+        expect(
+            cs_out,
+            &format!("{op}: result `conv_state` (aliases operand `conv_state`)"),
+            &dims,
+            "[slots, dim, width - 1]",
+            &[dtype],
+        )?;
+        expect_nonnull(cs, &format!("{op}: `conv_state`"))?;
+        expect_nonnull(cs_out, &format!("{op}: `conv_state` (result)"))?;
+        alias = args::alias(op, "conv_state", cs, cs_out)?;
+        state_in = cs.data as *const c_void;
+        conv_state = cs_out.data;
+    }
+    let named = [
+        (Some(x), "x"),
+        (Some(a.weight), "weight"),
+        (a.bias, "bias"),
+        (a.initial_states, "initial_states"),
+        (a.dout, "dout"),
+        (a.state_batch_indices, "state_batch_indices"),
+        (Some(a.out), out_name),
+        (a.dweight, "dweight"),
+        (a.dbias, "dbias"),
+        (a.dinitial_states, "dinitial_states"),
+    ];
+    for (t, name) in named {
+        if let Some(t) = t {
+            expect_nonnull(t, &format!("{op}: `{name}`"))?;
+        }
+    }
+    let (x_stride_batch, x_stride_dim, x_stride_seq) = match a.layout {
+        Layout::ChannelFirst => (dim * seqlen, seqlen, 1),
+        Layout::ChannelLast => (seqlen * dim, 1, dim),
+    };
+    let mut_ptr = |t: Option<&Tensor>| t.map_or(std::ptr::null_mut(), |t| t.data);
+    let params = ConvParams {
+        x: x.data,
+        weight: a.weight.data,
+        bias: opt_ptr(a.bias),
+        initial_states: opt_ptr(a.initial_states),
+        conv_state,
+        state_batch_indices: opt_ptr(a.state_batch_indices) as *const i32,
+        out: a.out.data,
+        dout: opt_ptr(a.dout),
+        dweight: mut_ptr(a.dweight),
+        dbias: mut_ptr(a.dbias),
+        dinitial_states: mut_ptr(a.dinitial_states),
+        batch,
+        dim,
+        seqlen,
+        width,
+        n_slots,
+        x_stride_batch,
+        x_stride_dim,
+        x_stride_seq,
+        silu: a.silu as i32,
+        _reserved: 0,
+    };
+    Ok(Conv { kind: a.kind, params, dtype, weight_dtype: a.weight.dtype, alias, state_in })
+}
+
+pub fn run(conv: &Conv, platform: Platform) -> Result<()> {
+    let p = &conv.params;
+    match platform {
+        Platform::Cpu => {
+            if conv.kind == Kind::Update {
+                check_indices_host(conv.kind.name(), p.state_batch_indices, p.batch, p.n_slots)?;
+                if conv.alias == Alias::Copy {
+                    // SAFETY: validated, non-overlapping buffers of this size.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            conv.state_in as *const u8,
+                            p.conv_state as *mut u8,
+                            (p.n_slots * p.dim * (p.width - 1) * conv.dtype.size_bytes()) as usize,
+                        )
+                    };
+                }
+            }
+            cpu::run(conv);
+            Ok(())
+        }
+        #[cfg(feature = "cuda")]
+        Platform::Cuda { stream } => cuda::run(conv, stream),
+        #[cfg(not(feature = "cuda"))]
+        Platform::Cuda { .. } => Err(Error::Unimplemented(format!(
+            "{}: this build of xla-ssm has no CUDA support (built without the `cuda` feature)",
+            conv.kind.name()
+        ))),
+    }
+}
+
+/// The XLA handlers' body, for each of the three.
+pub fn from_frame(frame: &Frame, platform: Platform, kind: Kind) -> Result<()> {
+    let op = kind.name();
+    let pre = args::prefixed(op);
+    let silu = frame.attr_bool("silu").map_err(&pre)?;
+    let layout = parse_layout(op, &frame.attr_str("layout").map_err(&pre)?)?;
+    let conv = match kind {
+        Kind::Fwd => {
+            let (req, opt) = args::operands(frame, op, &["x", "weight"], &["bias", "initial_states"])?;
+            let rets = args::results(frame, op, &["out"])?;
+            validate(&ConvArgs {
+                kind,
+                x: &req[0],
+                weight: &req[1],
+                bias: opt[0].as_ref(),
+                initial_states: opt[1].as_ref(),
+                dout: None,
+                conv_state: None,
+                state_batch_indices: None,
+                out: &rets[0],
+                dweight: None,
+                dbias: None,
+                dinitial_states: None,
+                silu,
+                layout,
+            })?
+        }
+        Kind::Bwd => {
+            let (req, opt) = args::operands(frame, op, &["x", "weight", "dout"], &["bias", "initial_states"])?;
+            let mut names = vec!["dx", "dweight"];
+            if opt[0].is_some() {
+                names.push("dbias");
+            }
+            if opt[1].is_some() {
+                names.push("dinitial_states");
+            }
+            let rets = args::results(frame, op, &names)?;
+            let find = |n: &str| names.iter().position(|m| *m == n).map(|i| &rets[i]);
+            validate(&ConvArgs {
+                kind,
+                x: &req[0],
+                weight: &req[1],
+                bias: opt[0].as_ref(),
+                initial_states: opt[1].as_ref(),
+                dout: Some(&req[2]),
+                conv_state: None,
+                state_batch_indices: None,
+                out: &rets[0],
+                dweight: Some(&rets[1]),
+                dbias: find("dbias"),
+                dinitial_states: find("dinitial_states"),
+                silu,
+                layout,
+            })?
+        }
+        Kind::Update => {
+            let (req, opt) =
+                args::operands(frame, op, &["x", "conv_state", "weight"], &["bias", "state_batch_indices"])?;
+            let rets = args::results(frame, op, &["out", "conv_state"])?;
+            validate(&ConvArgs {
+                kind,
+                x: &req[0],
+                weight: &req[2],
+                bias: opt[0].as_ref(),
+                initial_states: None,
+                dout: None,
+                conv_state: Some((&req[1], &rets[1])),
+                state_batch_indices: opt[1].as_ref(),
+                out: &rets[0],
+                dweight: None,
+                dbias: None,
+                dinitial_states: None,
+                silu,
+                layout,
+            })?
+        }
+    };
+    run(&conv, platform)
+}
