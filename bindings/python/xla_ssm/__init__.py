@@ -16,3 +16,22 @@ __all__ = [
     "selective_scan_ref",
 ]
 __version__ = "0.1.0"
+
+# Decode-time operations (docs/decode.md).
+from ._decode import (  # noqa: E402
+    causal_conv1d,
+    causal_conv1d_ref,
+    causal_conv1d_update,
+    mamba_decode_step,
+    selective_state_update,
+    selective_state_update_ref,
+)
+
+__all__ += [
+    "causal_conv1d",
+    "causal_conv1d_ref",
+    "causal_conv1d_update",
+    "mamba_decode_step",
+    "selective_state_update",
+    "selective_state_update_ref",
+]

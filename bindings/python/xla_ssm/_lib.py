@@ -90,3 +90,12 @@ def registered_platforms(target: str = "xla_ssm_selective_scan_fwd") -> tuple[st
     """Platforms the target was registered for (loads the library if needed)."""
     load()
     return _platforms[target]
+
+# Decode-time targets (see _decode.py).
+TARGETS = TARGETS + (
+    "xla_ssm_selective_state_update",
+    "xla_ssm_causal_conv1d_fwd",
+    "xla_ssm_causal_conv1d_bwd",
+    "xla_ssm_causal_conv1d_update",
+    "xla_ssm_mamba_decode_step",
+)
