@@ -33,4 +33,7 @@ python -m pytest tests/python -q -ra
 section "bench (CPU, quick): our CPU target against jax.lax.scan, outputs checked"
 python bench/bench_selective_scan.py --device cpu --quick --no-baselines --out "${TMPDIR:-/tmp}/xla_ssm_bench"
 
+section "bench (CPU, quick): decode step (bench/bench_decode.py), outputs checked"
+python bench/bench_decode.py --device cpu --out "${TMPDIR:-/tmp}/xla_ssm_bench"
+
 section "all tests passed"

@@ -214,7 +214,7 @@ pub fn launch<P>(
 /// Enqueues a device-to-device copy of `bytes` on `stream` (capturable in CUDA graphs): for in-place
 /// operands that XLA did not alias to their results.
 pub fn copy_async(stream: *mut c_void, dst: *mut c_void, src: *const c_void, bytes: usize) -> Result<()> {
-    if bytes == 0 || dst as *const c_void == src {
+    if bytes == 0 || std::ptr::eq(dst, src) {
         return Ok(());
     }
     driver()?;

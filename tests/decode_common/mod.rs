@@ -563,9 +563,7 @@ pub fn decode_call(k: &SsuCase, width: usize, wdtype: Dt, has_conv_bias: bool, a
                 acc += w[d * width + j] as f64 * win[j];
             }
             xc[b * k.dim + d] = silu(acc);
-            for j in 0..w1 {
-                conv_after[row + j] = win[j + 1];
-            }
+            conv_after[row..row + w1].copy_from_slice(&win[1..]);
         }
     }
     let (out, state) = ssu_reference(k, &i, Some(&xc));

@@ -155,7 +155,7 @@ pub fn run(step: &Decode, platform: Platform) -> Result<()> {
             if ssm.batch * ssm.dim == 0 {
                 return Ok(());
             }
-            let config = state_update::cuda::geometry(&mut ssm, u.state_dtype);
+            let (config, form) = state_update::cuda::geometry(&mut ssm, u.state_dtype);
             let params = DecodeParams {
                 ssm,
                 conv_state: c.params.conv_state,
@@ -164,7 +164,7 @@ pub fn run(step: &Decode, platform: Platform) -> Result<()> {
                 width: c.params.width,
             };
             let types: [DType; 4] = [u.dtype, u.bc_dtype, u.state_dtype, c.weight_dtype];
-            let kernel = format!("mamba_decode_step_{}", state_update::cuda::type_suffix(&types));
+            let kernel = format!("mamba_decode_step_{}{form}", state_update::cuda::type_suffix(&types));
             crate::cuda::launch(stream, "selective_state_update", &kernel, config, &params)
         }
         #[cfg(not(feature = "cuda"))]
