@@ -16,7 +16,6 @@ use super::state_update::{self, check_indices_host, UpdateArgs, UpdateParams};
 use super::{Platform, Tensor};
 use crate::error::{Error, Result};
 use crate::xla::frame::Frame;
-use crate::DType;
 use std::ffi::c_void;
 
 /// Kernel parameters, mirrored by `DecodeParams` in `kernels/decode.cuh`.
@@ -163,7 +162,7 @@ pub fn run(step: &Decode, platform: Platform) -> Result<()> {
                 conv_bias: c.params.bias,
                 width: c.params.width,
             };
-            let types: [DType; 4] = [u.dtype, u.bc_dtype, u.state_dtype, c.weight_dtype];
+            let types: [crate::DType; 4] = [u.dtype, u.bc_dtype, u.state_dtype, c.weight_dtype];
             let kernel = format!("mamba_decode_step_{}{form}", state_update::cuda::type_suffix(&types));
             crate::cuda::launch(stream, "selective_state_update", &kernel, config, &params)
         }
