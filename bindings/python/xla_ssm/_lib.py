@@ -12,8 +12,11 @@ import jax
 LIBRARY_ENV = "XLA_SSM_LIBRARY"
 LIBRARY_NAME = "libxla_ssm.so"
 
-# (XLA target name, exported symbol prefix): the handlers are `<prefix>_cpu` / `<prefix>_cuda`.
-TARGETS = ("xla_ssm_selective_scan_fwd",)
+# XLA target names; the handlers are exported as `<target>_cpu` / `<target>_cuda`. REQUIRED ones must
+# be there; OPTIONAL ones are registered when the library has them (older builds lack them).
+REQUIRED = ("xla_ssm_selective_scan_fwd",)
+OPTIONAL = ("xla_ssm_selective_scan_bwd",)
+TARGETS = REQUIRED + OPTIONAL
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -67,10 +70,16 @@ def load() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
         lib.xla_ssm_selective_scan_fwd_workspace_bytes.restype = ctypes.c_int64
         lib.xla_ssm_selective_scan_fwd_workspace_bytes.argtypes = [ctypes.c_int64] * 4
+        bwd_ws = getattr(lib, "xla_ssm_selective_scan_bwd_workspace_bytes", None)
+        if bwd_ws is not None:
+            bwd_ws.restype = ctypes.c_int64
+            bwd_ws.argtypes = [ctypes.c_int64] * 5
         for target in TARGETS:
             done = []
             cpu = getattr(lib, target + "_cpu", None)
             if cpu is None:
+                if target in OPTIONAL:
+                    continue
                 raise OSError(f"xla_ssm: {path} does not export {target}_cpu")
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(cpu), platform="cpu")
             done.append("cpu")
@@ -87,6 +96,17 @@ def load() -> ctypes.CDLL:
 
 
 def registered_platforms(target: str = "xla_ssm_selective_scan_fwd") -> tuple[str, ...]:
-    """Platforms the target was registered for (loads the library if needed)."""
+    """Platforms the target was registered for, () when the library lacks it (loads the library)."""
     load()
-    return _platforms[target]
+    return _platforms.get(target, ())
+
+
+def require(target: str) -> ctypes.CDLL:
+    """The loaded library, or an error saying that it lacks `target` (e.g. an older build)."""
+    lib = load()
+    if target not in _platforms:
+        raise NotImplementedError(
+            f"xla_ssm: {_path} has no {target} target (built from an older source?); "
+            f"rebuild it or point {LIBRARY_ENV} at a newer build"
+        )
+    return lib
