@@ -236,7 +236,8 @@ def _sharding_rule(call, mesh, operand_types, result_types):
 
     lhs = ", ".join(letters(r) for r in _in_roles(call))
     rhs = ", ".join(letters(r) for r in _out_roles(call))
-    return f"{lhs} -> {rhs}", {"need_replication_factors": ("l", "n", "k")}
+    rule = f"{lhs} -> {rhs}"
+    return rule, {"need_replication_factors": tuple(f for f in "lnk" if f in rule.split())}
 
 
 _pcall = custom_partitioning(_raw, static_argnums=(0,))
