@@ -112,3 +112,23 @@ def test_sharded_vmap_forward(mesh):
         want, _ = xla_ssm.selective_scan_ref(**{k: kws[i][k] for k in keys}, **shared, delta_softplus=True)
         assert_close("out", out[i], want, (2e-5, 1e-4))
     assert jnp.shape(out) == (2, 4, 8, 13)
+
+
+def test_explicit_mesh_as_in_readme():
+    """jax.make_mesh (Explicit axes by default) and the shardings the README shows."""
+    devices = jax.devices("cpu")[:8]
+    if len(devices) < 8:
+        pytest.skip("needs 8 CPU devices")
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=devices)
+    kw = make_case(104, 4, 16, 21, 8, 1, h0=False)
+    arrays, static = split(kw)
+    x = NamedSharding(mesh, P("data", "model", None))
+    placed = {k: jax.device_put(arrays[k], x) for k in ("u", "delta", "z")}
+    placed["A"] = jax.device_put(arrays["A"], NamedSharding(mesh, P("model", None)))
+    placed.update({k: jax.device_put(arrays[k], NamedSharding(mesh, P("data"))) for k in ("B", "C")})
+    placed.update({k: arrays[k] for k in ("D", "delta_bias")})
+    f = jax.jit(lambda a: xla_ssm.selective_scan(**a, **static))
+    out = f(placed)
+    assert out.sharding.is_equivalent_to(x, 3), out.sharding
+    assert_close("out", out, xla_ssm.selective_scan_ref(**arrays, **static)[0], (2e-5, 1e-4))
+    assert not GATHER.search(f.lower(placed).compile().as_text())
