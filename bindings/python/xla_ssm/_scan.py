@@ -210,11 +210,12 @@ def _partition(call, mesh, arg_shapes, result_shape):
         res = _raw(call, *ops)
         if call.kind == "fwd":
             return res
-        # Gradients of operands shared across shards are partial sums there: per-dim parameters
-        # over the batch shards, B/C of one group over the dim shards too.
+        # A gradient is a partial sum on each shard that shares its operand: per-dim parameters
+        # (A, D, delta_bias, time-invariant B/C) across batch shards, time-varying B/C (per batch
+        # element, summed over its group's channels) across dim shards when its groups are not split.
         grads = []
         for role, g in zip(_out_roles(call), res):
-            over = bax if role in ("A", "bc2", "vec") else bax + dax if role == "bc4" and not gax else ()
+            over = bax if role in ("A", "bc2", "vec") else dax if role == "bc4" and not gax else ()
             grads.append(jax.lax.psum(g, over) if over else g)
         return tuple(grads)
 
