@@ -128,6 +128,7 @@ def _attrs(cfg: _Cfg):
 
 
 def _raw(call: _Call, *ops):
+    """One FFI call on whole (or, under partitioning, per-shard) operands in ABI order."""
     cfg = call.cfg
     u, A, B = ops[0], ops[2], ops[3]
     batch, dim, seqlen, dstate, groups = _sizes(cfg, u, A, B)
@@ -318,7 +319,7 @@ _scan.defvjp(_scan_fwd, _scan_bwd)
 
 # ------------------------------------------------------------------------------ public API
 def _split_lead(name, x, lead, core_rank):
-    """x with `lead` extra leading dims (or none: shared across them) -> (array, had_lead)."""
+    """Whether x has u's leading dims `lead` (True) or none (False: shared); else an error."""
     if x.ndim == core_rank + len(lead) and len(lead) and tuple(x.shape[: len(lead)]) == lead:
         return True
     if x.ndim == core_rank:
@@ -372,13 +373,11 @@ def selective_scan(
         raise ValueError(f"u must have rank 3 (batch, dim, seqlen) after any leading dims, got shape {tuple(u.shape)}")
     lead = tuple(u.shape[:-3])
     nl = len(lead)
-    # Checked per example: the leading dims are stripped (shared operands broadcast later).
-    core = {}
-    for name, x, rank in (("delta", delta, 3), ("z", z, 3), ("initial_state", initial_state, 3)):
-        if x is not None and nl:
-            if tuple(x.shape) != tuple(u.shape) and name != "initial_state":
-                raise ValueError(f"{name} must have the shape of u {tuple(u.shape)}, got {tuple(x.shape)}")
-            core[name] = _split_lead(name, x, lead, rank)
+    # u's leading dims: delta and z carry them too; B, C and initial_state carry them or are shared.
+    for name, x in (("delta", delta), ("z", z)):
+        if nl and x is not None and tuple(x.shape) != tuple(u.shape):
+            raise ValueError(f"{name} must have the shape of u {tuple(u.shape)}, got {tuple(x.shape)}")
+    h0_lead = nl > 0 and initial_state is not None and _split_lead("initial_state", initial_state, lead, 3)
     bc_lead = False
     if nl and B.ndim >= 4:
         bc_lead = _split_lead("B", B, lead, 4)
@@ -388,10 +387,10 @@ def selective_scan(
     def view(x, stripped):
         return None if x is None else jax.ShapeDtypeStruct(x.shape[nl:] if stripped else x.shape, x.dtype)
 
+    # The per-example checks, on the shapes without the leading dims.
     _check(
-        view(u, True), view(delta, nl > 0), A, view(B, bc_lead), view(C, bc_lead), D,
-        view(z, nl > 0), delta_bias, delta_softplus, view(initial_state, core.get("initial_state", False)),
-        layout,
+        view(u, True), view(delta, True), A, view(B, bc_lead), view(C, bc_lead), D, view(z, True),
+        delta_bias, delta_softplus, view(initial_state, h0_lead), layout,
     )  # fmt: skip
     cfg = _Cfg(
         delta_softplus=bool(delta_softplus),
@@ -422,7 +421,7 @@ def selective_scan(
     ops += [fold(z, True, 3)] if z is not None else []
     ops += [delta_bias] if delta_bias is not None else []
     if initial_state is not None:
-        ops.append(fold(initial_state, core.get("initial_state", False), 3))
+        ops.append(fold(initial_state, h0_lead, 3))
     out, final_state = _scan(cfg, tuple(ops))
     if nl:
         out = out.reshape(u.shape)
