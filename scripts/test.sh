@@ -30,6 +30,29 @@ export XLA_SSM_LIBRARY="$PWD/target/release/libxla_ssm.so"
 export PYTHONPATH="$PWD/bindings/python${PYTHONPATH:+:$PYTHONPATH}"
 python -m pytest tests/python -q -ra
 
+section "pip install ./bindings/python into a throwaway venv; import it from elsewhere (the shipped library loads)"
+# NVCC (scripts/env.sh) and XLA_SSM_CUDA_ARCHS are those of the build above, so cargo has nothing to
+# redo; pip's cache serves the pinned nvcc and jax.
+pip_tmp="$(mktemp -d)"
+trap 'rm -rf "$pip_tmp"' EXIT
+python -m venv "$pip_tmp/venv"
+"$pip_tmp/venv/bin/python" -m pip install --disable-pip-version-check --quiet ./bindings/python
+(cd "$pip_tmp" && env -u XLA_SSM_LIBRARY -u PYTHONPATH "$pip_tmp/venv/bin/python" - <<'PY'
+import sys, numpy as np, xla_ssm
+lib = xla_ssm.library_path()
+assert str(lib).startswith(sys.prefix), f"loaded {lib}, not the one in the venv"
+rng = np.random.default_rng(0)
+u, delta = rng.standard_normal((2, 2, 8, 33), np.float32)
+A = -rng.uniform(0.5, 2, (8, 4)).astype(np.float32)
+B, C = rng.standard_normal((2, 2, 1, 4, 33), np.float32)
+out, h = xla_ssm.selective_scan(u, delta, A, B, C, delta_softplus=True, return_final_state=True)
+ref, ref_h = xla_ssm.selective_scan_ref(u, delta, A, B, C, delta_softplus=True)
+np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+np.testing.assert_allclose(h, ref_h, rtol=1e-4, atol=1e-4)
+print(f"pip-installed xla_ssm OK: {lib}, targets on {xla_ssm.registered_platforms()}")
+PY
+)
+
 section "bench (CPU, quick): our CPU target against jax.lax.scan, outputs checked"
 python bench/bench_selective_scan.py --device cpu --quick --no-baselines --out "${TMPDIR:-/tmp}/xla_ssm_bench"
 

@@ -6,12 +6,15 @@ package, then in ``<repo>/target/release``; it is loaded and its targets registe
 """
 
 from ._lib import library_path, load, registered_platforms
+from ._scan import CHECKPOINT_LEN, selective_scan
 from ._selective_scan import selective_scan_fwd, selective_scan_ref
 
 __all__ = [
+    "CHECKPOINT_LEN",
     "library_path",
     "load",
     "registered_platforms",
+    "selective_scan",
     "selective_scan_fwd",
     "selective_scan_ref",
 ]

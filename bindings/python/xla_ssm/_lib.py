@@ -12,8 +12,17 @@ import jax
 LIBRARY_ENV = "XLA_SSM_LIBRARY"
 LIBRARY_NAME = "libxla_ssm.so"
 
-# (XLA target name, exported symbol prefix): the handlers are `<prefix>_cpu` / `<prefix>_cuda`.
-TARGETS = ("xla_ssm_selective_scan_fwd",)
+# XLA target names; the handlers are exported as `<target>_cpu` / `<target>_cuda`. A library that
+# lacks one (an older build) is refused with the name of what is missing.
+TARGETS = (
+    "xla_ssm_selective_scan_fwd",
+    "xla_ssm_selective_scan_bwd",
+    "xla_ssm_selective_state_update",
+    "xla_ssm_causal_conv1d_fwd",
+    "xla_ssm_causal_conv1d_bwd",
+    "xla_ssm_causal_conv1d_update",
+    "xla_ssm_mamba_decode_step",
+)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -67,6 +76,8 @@ def load() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
         lib.xla_ssm_selective_scan_fwd_workspace_bytes.restype = ctypes.c_int64
         lib.xla_ssm_selective_scan_fwd_workspace_bytes.argtypes = [ctypes.c_int64] * 4
+        lib.xla_ssm_selective_scan_bwd_workspace_bytes.restype = ctypes.c_int64
+        lib.xla_ssm_selective_scan_bwd_workspace_bytes.argtypes = [ctypes.c_int64] * 5
         for target in TARGETS:
             done = []
             cpu = getattr(lib, target + "_cpu", None)
@@ -87,15 +98,13 @@ def load() -> ctypes.CDLL:
 
 
 def registered_platforms(target: str = "xla_ssm_selective_scan_fwd") -> tuple[str, ...]:
-    """Platforms the target was registered for (loads the library if needed)."""
+    """Platforms the target was registered for, () when the library lacks it (loads the library)."""
     load()
-    return _platforms[target]
+    return _platforms.get(target, ())
 
-# Decode-time targets (see _decode.py).
-TARGETS = TARGETS + (
-    "xla_ssm_selective_state_update",
-    "xla_ssm_causal_conv1d_fwd",
-    "xla_ssm_causal_conv1d_bwd",
-    "xla_ssm_causal_conv1d_update",
-    "xla_ssm_mamba_decode_step",
-)
+
+def require(target: str) -> ctypes.CDLL:
+    """The loaded library, which has every target (load() refuses one that lacks any)."""
+    lib = load()
+    assert target in _platforms, target
+    return lib

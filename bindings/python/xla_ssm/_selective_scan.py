@@ -6,8 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _lib
-
 TARGET = "xla_ssm_selective_scan_fwd"
 LAYOUTS = ("bdl", "bld")
 MAX_DSTATE = 256
@@ -121,40 +119,19 @@ def selective_scan_fwd(
     initial_state=None,
     layout="bdl",
 ):
-    """Mamba-1 selective scan forward through the `xla_ssm_selective_scan_fwd` FFI target.
+    """Mamba-1 selective scan through the `xla_ssm_selective_scan_fwd` FFI target: `selective_scan`
+    with return_final_state=True (so also differentiable, vmappable and shardable).
 
     Shapes and dtypes are those of docs/selective_scan_fwd.md; `delta_softplus` and `layout`
     are static (Python values). Returns `(out, final_state)`: out like u, final_state
     (batch, dim, dstate) float32.
     """
-    u, delta, A, B, C, D, z, delta_bias, initial_state = _as_arrays(
-        u, delta, A, B, C, D, z, delta_bias, initial_state
-    )
-    batch, dim, seqlen, dstate, _ = _check(
-        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, layout
-    )
-    lib = _lib.load()
-    operands = [u, delta, A, B, C] + [x for x in (D, z, delta_bias, initial_state) if x is not None]
-    results = [
-        jax.ShapeDtypeStruct(u.shape, u.dtype),
-        jax.ShapeDtypeStruct((batch, dim, dstate), jnp.float32),
-    ]
-    # Scratch that lets the CUDA kernel split long sequences of a small batch x dim over the whole
-    # GPU (a third, discarded result; XLA allocates it). Shape-dependent only; 0 when it never splits.
-    workspace = lib.xla_ssm_selective_scan_fwd_workspace_bytes(batch, dim, seqlen, dstate)
-    if workspace > 0:
-        results.append(jax.ShapeDtypeStruct((workspace,), jnp.uint8))
-    call = jax.ffi.ffi_call(TARGET, tuple(results), vmap_method="sequential")
-    out, final_state, *_ = call(
-        *operands,
-        delta_softplus=np.bool_(delta_softplus),
-        has_d=np.bool_(D is not None),
-        has_z=np.bool_(z is not None),
-        has_delta_bias=np.bool_(delta_bias is not None),
-        has_initial_state=np.bool_(initial_state is not None),
-        layout=layout,
-    )
-    return out, final_state
+    from ._scan import selective_scan
+
+    return selective_scan(
+        u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+        initial_state=initial_state, return_final_state=True, layout=layout,
+    )  # fmt: skip
 
 
 def _softplus(x):

@@ -1,0 +1,429 @@
+"""`selective_scan`: the differentiable, vmappable, shardable selective scan.
+
+Layers, outermost first:
+  selective_scan       checks shapes/dtypes in Python, folds extra leading dims into batch
+  _scan (custom_vjp)   forward with checkpoints, backward through `xla_ssm_selective_scan_bwd`
+  _vcall (custom_vmap) jax.vmap: folds the mapped axis into batch (forward, parameters unmapped)
+                       or into dim (otherwise): never a sequential loop
+  _pcall (custom_partitioning)  sharded batch / dim stay sharded; gradients of shared operands psum
+  _raw                 jax.ffi.ffi_call, with the CUDA workspace (not allocated on the CPU)
+The vmap and partitioning layers sit under the custom_vjp, so neither is ever differentiated.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_batching import custom_vmap
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import _lib
+from ._selective_scan import _as_arrays, _check
+
+FWD = "xla_ssm_selective_scan_fwd"
+BWD = "xla_ssm_selective_scan_bwd"
+# The forward saves the state entering every CHECKPOINT_LEN-th step for the backward (a multiple
+# of 32, docs/selective_scan_bwd.md): residuals of batch*dim*dstate*ceil(seqlen/64) f32.
+CHECKPOINT_LEN = 64
+_F32 = jnp.dtype(jnp.float32)
+
+
+class _Cfg(NamedTuple):
+    """Everything static about one call (hashable: a jit / custom_vjp / partitioning key)."""
+
+    delta_softplus: bool
+    layout: str
+    bc_rank: int  # 4: time-varying B/C, 2: time-invariant
+    has_d: bool
+    has_z: bool
+    has_delta_bias: bool
+    has_initial_state: bool
+    return_final_state: bool
+
+
+class _Call(NamedTuple):
+    kind: str  # "fwd" or "bwd"
+    cfg: _Cfg
+    checkpoint_len: int  # 0: a forward without checkpoints
+    has_dfinal_state: bool = False
+
+
+# Roles of operands and results, which say how each is sharded and vmapped:
+#   x: like u; A: (dim, dstate); bc4: time-varying B/C; bc2: (dim, dstate) B/C; vec: (dim,);
+#   state: (batch, dim, dstate); ckpt: (batch, dim, n_checkpoints, dstate).
+def _param_roles(cfg: _Cfg):
+    bc = "bc4" if cfg.bc_rank == 4 else "bc2"
+    roles = ["x", "x", "A", bc, bc]
+    roles += ["vec"] * cfg.has_d + ["x"] * cfg.has_z + ["vec"] * cfg.has_delta_bias
+    return roles + ["state"] * cfg.has_initial_state
+
+
+def _in_roles(call: _Call):
+    roles = _param_roles(call.cfg)
+    if call.kind == "bwd":
+        roles += ["ckpt", "x"] + ["state"] * call.has_dfinal_state
+    return roles
+
+
+def _out_roles(call: _Call):
+    if call.kind == "bwd":  # one gradient per differentiable operand
+        return _param_roles(call.cfg)
+    return ["x", "state"] + ["ckpt"] * (call.checkpoint_len > 0)
+
+
+_PER_EXAMPLE = frozenset(("x", "bc4", "state", "ckpt"))  # have a batch axis (axis 0)
+
+
+def _dim_axis(role, layout):
+    """The axis of a role's array that runs over dim (over groups for bc4)."""
+    if role in ("x", "bc4"):
+        return 1 if layout == "bdl" else 2
+    return 1 if role in ("state", "ckpt") else 0
+
+
+def _sizes(cfg: _Cfg, u, A, B):
+    if cfg.layout == "bdl":
+        batch, dim, seqlen = u.shape
+    else:
+        batch, seqlen, dim = u.shape
+    groups = (B.shape[1] if cfg.layout == "bdl" else B.shape[2]) if cfg.bc_rank == 4 else 0
+    return batch, dim, seqlen, A.shape[1], groups
+
+
+# ----------------------------------------------------------------------------- the FFI calls
+def _ffi(target, results, workspace_bytes, operands, attrs):
+    """ffi_call with `workspace_bytes` of scratch as a last, discarded result, on CUDA only (the CPU
+    targets ignore it: no reason to allocate it there)."""
+    n = len(results)
+
+    def run(with_workspace, *ops):
+        res = list(results)
+        if with_workspace:
+            res.append(jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
+        return tuple(jax.ffi.ffi_call(target, tuple(res))(*ops, **attrs)[:n])
+
+    if workspace_bytes <= 0:
+        return run(False, *operands)
+    return jax.lax.platform_dependent(
+        *operands, cpu=functools.partial(run, False), default=functools.partial(run, True)
+    )
+
+
+def _attrs(cfg: _Cfg):
+    return dict(
+        delta_softplus=np.bool_(cfg.delta_softplus),
+        has_d=np.bool_(cfg.has_d),
+        has_z=np.bool_(cfg.has_z),
+        has_delta_bias=np.bool_(cfg.has_delta_bias),
+        has_initial_state=np.bool_(cfg.has_initial_state),
+        layout=cfg.layout,
+    )
+
+
+def _raw(call: _Call, *ops):
+    """One FFI call on whole (or, under partitioning, per-shard) operands in ABI order."""
+    cfg = call.cfg
+    u, A, B = ops[0], ops[2], ops[3]
+    batch, dim, seqlen, dstate, groups = _sizes(cfg, u, A, B)
+    attrs = _attrs(cfg)
+    n_ck = -(-seqlen // call.checkpoint_len) if call.checkpoint_len else 0
+    if call.kind == "fwd":
+        lib = _lib.load()
+        results = [jax.ShapeDtypeStruct(u.shape, u.dtype), jax.ShapeDtypeStruct((batch, dim, dstate), _F32)]
+        if call.checkpoint_len:
+            attrs["checkpoint_len"] = np.int64(call.checkpoint_len)
+            results.append(jax.ShapeDtypeStruct((batch, dim, n_ck, dstate), _F32))
+        ws = lib.xla_ssm_selective_scan_fwd_workspace_bytes(batch, dim, seqlen, dstate)
+        return _ffi(FWD, results, ws, ops, attrs)
+    lib = _lib.require(BWD)
+    attrs["checkpoint_len"] = np.int64(call.checkpoint_len)
+    attrs["has_dfinal_state"] = np.bool_(call.has_dfinal_state)
+    n = len(_param_roles(cfg))
+    results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ops[:n]]  # gradients: primal shapes and dtypes
+    ws = lib.xla_ssm_selective_scan_bwd_workspace_bytes(batch, dim, seqlen, dstate, groups)
+    return _ffi(BWD, results, ws, ops, attrs)
+
+
+# ------------------------------------------------------------------------------- sharding
+def _axes(entry):
+    """A PartitionSpec entry as a tuple of mesh axis names (() when unsharded)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _shard_plan(call: _Call, mesh, arg_shapes):
+    """Which mesh axes shard batch, dim and B/C's groups, from u's sharding: the scan runs along
+    seqlen and dstate, so those are never sharded; batch and dim only when they divide evenly."""
+    cfg = call.cfg
+    u, A, B = arg_shapes[0], arg_shapes[2], arg_shapes[3]
+    batch, dim, _, _, groups = _sizes(cfg, u, A, B)
+    spec = tuple(u.sharding.spec) + (None,) * 3 if isinstance(u.sharding, NamedSharding) else (None,) * 3
+    size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
+    bax = _axes(spec[0])
+    dax = _axes(spec[_dim_axis("x", cfg.layout)])
+    if batch % size(bax):
+        bax = ()
+    if dim % size(dax) or (groups > 1 and groups % size(dax)):
+        dax = ()  # channel d reads group d // (dim // groups): a dim shard needs whole groups
+    gax = dax if groups > 1 else ()  # one group: every dim shard reads all of B/C
+    return bax, dax, gax
+
+
+def _spec(role, layout, bax, dax, gax):
+    b, d, g = bax or None, dax or None, gax or None
+    if role == "x":
+        return P(b, d, None) if layout == "bdl" else P(b, None, d)
+    if role == "bc4":
+        return P(b, g, None, None) if layout == "bdl" else P(b, None, g, None)
+    if role in ("A", "bc2"):
+        return P(d, None)
+    if role == "vec":
+        return P(d)
+    if role == "state":
+        return P(b, d, None)
+    return P(b, d, None, None)  # ckpt
+
+
+def _shardings(call: _Call, mesh, arg_shapes):
+    bax, dax, gax = _shard_plan(call, mesh, arg_shapes)
+    lay = call.cfg.layout
+    ins = tuple(NamedSharding(mesh, _spec(r, lay, bax, dax, gax)) for r in _in_roles(call))
+    outs = tuple(NamedSharding(mesh, _spec(r, lay, bax, dax, gax)) for r in _out_roles(call))
+    return (bax, dax, gax), ins, outs
+
+
+def _infer(call, mesh, arg_shapes, result_shape):
+    return _shardings(call, mesh, arg_shapes)[2]
+
+
+def _partition(call, mesh, arg_shapes, result_shape):
+    (bax, dax, gax), ins, outs = _shardings(call, mesh, arg_shapes)
+
+    def lower(*ops):
+        res = _raw(call, *ops)
+        if call.kind == "fwd":
+            return res
+        # A gradient is a partial sum on each shard that shares its operand: per-dim parameters
+        # (A, D, delta_bias, time-invariant B/C) across batch shards, time-varying B/C (per batch
+        # element, summed over its group's channels) across dim shards when its groups are not split.
+        grads = []
+        for role, g in zip(_out_roles(call), res):
+            over = bax if role in ("A", "bc2", "vec") else dax if role == "bc4" and not gax else ()
+            grads.append(jax.lax.psum(g, over) if over else g)
+        return tuple(grads)
+
+    return mesh, lower, outs, ins
+
+
+_LETTERS = {
+    ("x", "bdl"): "b d l", ("x", "bld"): "b l d", ("bc4", "bdl"): "b g n l", ("bc4", "bld"): "b l g n",
+    "A": "d n", "bc2": "d n", "vec": "d", "state": "b d n", "ckpt": "b d k n",
+}  # fmt: skip
+
+
+def _sharding_rule(call, mesh, operand_types, result_types):
+    """Shardy's einsum-like rule: batch and dim pass through; seqlen, dstate and the checkpoint
+    axis must not be sharded."""
+
+    def letters(role):
+        return _LETTERS.get((role, call.cfg.layout)) or _LETTERS[role]
+
+    lhs = ", ".join(letters(r) for r in _in_roles(call))
+    rhs = ", ".join(letters(r) for r in _out_roles(call))
+    rule = f"{lhs} -> {rhs}"
+    return rule, {"need_replication_factors": tuple(f for f in "lnk" if f in rule.split())}
+
+
+_pcall = custom_partitioning(_raw, static_argnums=(0,))
+_pcall.def_partition(
+    partition=_partition, infer_sharding_from_operands=_infer, sharding_rule=_sharding_rule
+)
+
+
+# ----------------------------------------------------------------------------------- vmap
+@functools.lru_cache(maxsize=None)
+def _vcall_fn(call: _Call):
+    f = custom_vmap(lambda *ops: _pcall(call, *ops))
+    f.def_vmap(functools.partial(_vmap_rule, call, f))
+    return f
+
+
+def _vcall(call: _Call, *ops):
+    return _vcall_fn(call)(*ops)
+
+
+def _vmap_rule(call: _Call, f, axis_size, in_batched, *ops):
+    """jax.vmap of one call, in one call. The mapped axis (k) joins batch when it can (a forward
+    whose per-dim parameters are shared: a free reshape), else dim: the k examples become k*dim
+    channels, each with its own copy of the parameters, so the backward's per-dim gradient sums stay
+    per example (what vmap of a gradient means) and mapped parameters need no loop."""
+    lay, k = call.cfg.layout, axis_size
+    roles = _in_roles(call)
+    params_mapped = any(b for r, b in zip(roles, in_batched) if r not in _PER_EXAMPLE)
+    into_batch = call.kind == "fwd" and not params_mapped
+
+    def axis(role):
+        return 0 if into_batch else _dim_axis(role, lay)
+
+    folded = []
+    for role, x, b in zip(roles, ops, in_batched):
+        if into_batch and role not in _PER_EXAMPLE:
+            folded.append(x)  # a shared parameter stays as it is
+            continue
+        if not b:
+            x = jnp.broadcast_to(x, (k, *x.shape))
+        ax = axis(role)
+        x = jnp.moveaxis(x, 0, ax)
+        folded.append(x.reshape(*x.shape[:ax], k * x.shape[ax + 1], *x.shape[ax + 2 :]))
+    res = f(*folded)  # f again: an outer vmap folds its axis the same way
+    out = []
+    for role, y in zip(_out_roles(call), res):
+        ax = axis(role)
+        y = y.reshape(*y.shape[:ax], k, y.shape[ax] // k if k else 0, *y.shape[ax + 1 :])
+        out.append(jnp.moveaxis(y, ax, 0))
+    return tuple(out), (True,) * len(out)
+
+
+# ------------------------------------------------------------------------------ custom_vjp
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scan(cfg: _Cfg, ops):
+    out, final_state = _vcall(_Call("fwd", cfg, 0), *ops)
+    return out, final_state
+
+
+def _scan_fwd(cfg: _Cfg, ops):
+    out, final_state, checkpoints = _vcall(_Call("fwd", cfg, CHECKPOINT_LEN), *ops)
+    return (out, final_state), (ops, checkpoints)
+
+
+def _scan_bwd(cfg: _Cfg, res, cts):
+    ops, checkpoints = res
+    dout, dfinal_state = cts
+    args = [*ops, checkpoints, dout.astype(ops[0].dtype)]
+    if cfg.return_final_state:  # else the caller never saw final_state: its cotangent is zero
+        args.append(dfinal_state.astype(_F32))
+    grads = _vcall(_Call("bwd", cfg, CHECKPOINT_LEN, cfg.return_final_state), *args)
+    return (tuple(grads),)
+
+
+_scan.defvjp(_scan_fwd, _scan_bwd)
+
+
+# ------------------------------------------------------------------------------ public API
+def _split_lead(name, x, lead, core_rank):
+    """Whether x has u's leading dims `lead` (True) or none (False: shared); else an error."""
+    if x.ndim == core_rank + len(lead) and len(lead) and tuple(x.shape[: len(lead)]) == lead:
+        return True
+    if x.ndim == core_rank:
+        return False
+    raise ValueError(
+        f"{name} must have u's leading dims {lead} followed by {core_rank} dims, or just the "
+        f"{core_rank} dims (shared), got shape {tuple(x.shape)}"
+    )
+
+
+def selective_scan(
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    delta_bias=None,
+    delta_softplus=False,
+    initial_state=None,
+    return_final_state=False,
+    layout="bdl",
+):
+    """Mamba-1 selective scan (docs/selective_scan_fwd.md) through libxla_ssm, differentiable.
+
+    u, delta, z: (..., batch, dim, seqlen), or (..., batch, seqlen, dim) with layout="bld";
+    A: (dim, dstate) f32; B, C: (..., batch, groups, dstate, seqlen) (layout "bld":
+    (..., batch, seqlen, groups, dstate)) or time-invariant (dim, dstate); D, delta_bias: (dim,) f32;
+    initial_state: (..., batch, dim, dstate) f32. Leading dims `...` (u's) fold into batch; B, C and
+    initial_state may omit them (shared). `delta_softplus`, `return_final_state` and `layout` are
+    static Python values.
+
+    Returns out (like u), and with return_final_state=True also the final state
+    (..., batch, dim, dstate) f32. Differentiable in every array argument (jax.grad: the forward
+    saves a state every CHECKPOINT_LEN steps, the backward recomputes between them), batchable with
+    jax.vmap (A, D, delta_bias may be mapped too), and under jax.jit with inputs sharded over batch
+    and/or dim it runs on the shards without gathering them.
+    """
+    u, delta, A, B, C, D, z, delta_bias, initial_state = _as_arrays(
+        u, delta, A, B, C, D, z, delta_bias, initial_state
+    )
+    if not isinstance(return_final_state, (bool, np.bool_)):
+        raise TypeError(
+            f"return_final_state must be a Python bool (static under jit), got {type(return_final_state).__name__}"
+        )
+    for name, x in (("u", u), ("delta", delta), ("A", A), ("B", B), ("C", C)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if u.ndim < 3:
+        raise ValueError(f"u must have rank 3 (batch, dim, seqlen) after any leading dims, got shape {tuple(u.shape)}")
+    lead = tuple(u.shape[:-3])
+    nl = len(lead)
+    # u's leading dims: delta and z carry them too; B, C and initial_state carry them or are shared.
+    for name, x in (("delta", delta), ("z", z)):
+        if nl and x is not None and tuple(x.shape) != tuple(u.shape):
+            raise ValueError(f"{name} must have the shape of u {tuple(u.shape)}, got {tuple(x.shape)}")
+    h0_lead = nl > 0 and initial_state is not None and _split_lead("initial_state", initial_state, lead, 3)
+    bc_lead = False
+    if nl and B.ndim >= 4:
+        bc_lead = _split_lead("B", B, lead, 4)
+        if _split_lead("C", C, lead, 4) != bc_lead:
+            raise ValueError(f"C must have the shape of B {tuple(B.shape)}, got {tuple(C.shape)}")
+
+    def view(x, stripped):
+        return None if x is None else jax.ShapeDtypeStruct(x.shape[nl:] if stripped else x.shape, x.dtype)
+
+    # The per-example checks, on the shapes without the leading dims.
+    _check(
+        view(u, True), view(delta, True), A, view(B, bc_lead), view(C, bc_lead), D, view(z, True),
+        delta_bias, delta_softplus, view(initial_state, h0_lead), layout,
+    )  # fmt: skip
+    cfg = _Cfg(
+        delta_softplus=bool(delta_softplus),
+        layout=layout,
+        bc_rank=B.ndim - nl * bc_lead,
+        has_d=D is not None,
+        has_z=z is not None,
+        has_delta_bias=delta_bias is not None,
+        has_initial_state=initial_state is not None,
+        return_final_state=bool(return_final_state),
+    )
+    n = math.prod(lead)
+
+    def fold(x, has_lead, rank):
+        """(*lead, batch, ...) -> (n*batch, ...); a shared operand is broadcast first."""
+        if not nl:
+            return x
+        if not has_lead:
+            x = jnp.broadcast_to(x, (*lead, *x.shape))
+        return x.reshape(n * x.shape[nl], *x.shape[nl + 1 :])
+
+    ops = [fold(u, True, 3), fold(delta, True, 3), A]
+    if cfg.bc_rank == 4:
+        ops += [fold(B, bc_lead, 4), fold(C, bc_lead, 4)]
+    else:
+        ops += [B, C]
+    ops += [D] if D is not None else []
+    ops += [fold(z, True, 3)] if z is not None else []
+    ops += [delta_bias] if delta_bias is not None else []
+    if initial_state is not None:
+        ops.append(fold(initial_state, h0_lead, 3))
+    out, final_state = _scan(cfg, tuple(ops))
+    if nl:
+        out = out.reshape(u.shape)
+        final_state = final_state.reshape(*lead, u.shape[nl], *final_state.shape[1:])
+    return (out, final_state) if return_final_state else out
