@@ -62,7 +62,57 @@ typedef struct XlaSsmSelectiveScanFwdArgs {
   // of a small batch x dim over the whole GPU. NULL / 0: no split. Unused on the host.
   void *workspace;
   int64_t workspace_bytes;
+  // Steps between the checkpoints the backward pass needs: 0 (none) or a positive multiple of 32.
+  int64_t checkpoint_len;
+  // (batch, dim, ceil(seqlen / checkpoint_len), dstate) f32, written when checkpoint_len > 0 (NULL
+  // otherwise): checkpoint k is the state entering step k * checkpoint_len.
+  float *checkpoints;
 } XlaSsmSelectiveScanFwdArgs;
+
+// Arguments of the backward selective scan (docs/selective_scan_bwd.md): the forward's inputs, its
+// checkpoints, the cotangents and the gradients. Dense row-major arrays; each gradient has its
+// primal's shape and dtype, and an optional one is given (non-NULL) exactly when its primal is.
+typedef struct XlaSsmSelectiveScanBwdArgs {
+  int64_t batch;
+  int64_t dim;
+  int64_t seqlen;
+  int64_t dstate;
+  // As in [`XlaSsmSelectiveScanFwdArgs`]: 0 for time-invariant B/C.
+  int64_t groups;
+  XlaSsmDtype dtype;
+  XlaSsmDtype bc_dtype;
+  XlaSsmLayout layout;
+  bool delta_softplus;
+  const void *u;
+  const void *delta;
+  const float *a;
+  const void *b;
+  const void *c;
+  const float *d;
+  const void *z;
+  const float *delta_bias;
+  const float *initial_state;
+  // The forward's checkpoints and their spacing (a positive multiple of 32).
+  int64_t checkpoint_len;
+  const float *checkpoints;
+  // Cotangent of out (like u).
+  const void *dout;
+  // Cotangent of final_state, (batch, dim, dstate) f32, optional.
+  const float *dfinal_state;
+  void *du;
+  void *ddelta;
+  float *da;
+  void *db;
+  void *dc;
+  float *dd;
+  void *dz;
+  float *ddelta_bias;
+  float *dinitial_state;
+  // Device scratch of at least [`xla_ssm_selective_scan_bwd_workspace_bytes`] bytes: required by
+  // the CUDA backward, unused on the host.
+  void *workspace;
+  int64_t workspace_bytes;
+} XlaSsmSelectiveScanBwdArgs;
 
 #define XLA_SSM_OK 0
 
@@ -120,6 +170,29 @@ XlaSsmStatus xla_ssm_selective_scan_fwd_host(const struct XlaSsmSelectiveScanFwd
 XlaSsmStatus xla_ssm_selective_scan_fwd_cuda_launch(const struct XlaSsmSelectiveScanFwdArgs *args,
                                                     void *stream);
 
+// Bytes of device workspace the CUDA backward needs for this shape (`groups` = 0 for
+// time-invariant B/C). Depends on the shape only.
+int64_t xla_ssm_selective_scan_bwd_workspace_bytes(int64_t batch,
+                                                   int64_t dim,
+                                                   int64_t seqlen,
+                                                   int64_t dstate,
+                                                   int64_t groups);
+
+// Backward selective scan on host memory, on the calling thread (and worker threads it joins).
+//
+// # Safety
+// `args` points at a valid struct whose pointers address arrays of the sizes it describes.
+XlaSsmStatus xla_ssm_selective_scan_bwd_host(const struct XlaSsmSelectiveScanBwdArgs *args);
+
+// Backward selective scan on device memory, enqueued on `stream` (a `CUstream`; NULL for the
+// legacy default stream of the current context); needs the workspace. Returns once the work is
+// enqueued; does not synchronize.
+//
+// # Safety
+// As [`xla_ssm_selective_scan_bwd_host`], with device pointers of the stream's context.
+XlaSsmStatus xla_ssm_selective_scan_bwd_cuda_launch(const struct XlaSsmSelectiveScanBwdArgs *args,
+                                                    void *stream);
+
 // XLA FFI handler of `xla_ssm_selective_scan_fwd` for platform "cpu" (register with
 // `jax.ffi.register_ffi_target(..., platform="cpu")`).
 //
@@ -133,6 +206,19 @@ XLA_FFI_Error *xla_ssm_selective_scan_fwd_cpu(XLA_FFI_CallFrame *call_frame);
 // # Safety
 // Called by XLA with a valid call frame.
 XLA_FFI_Error *xla_ssm_selective_scan_fwd_cuda(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_selective_scan_bwd` for platform "cpu" (docs/selective_scan_bwd.md).
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_selective_scan_bwd_cpu(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_selective_scan_bwd` for platform "CUDA". Runs on XLA's stream, with
+// the workspace result as its only scratch, and never synchronizes, so it is safe in CUDA graphs.
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_selective_scan_bwd_cuda(XLA_FFI_CallFrame *call_frame);
 
 #ifdef __cplusplus
 }  // extern "C"
