@@ -3,7 +3,9 @@
 //! Every function returns an [`XlaSsmStatus`]; on failure [`xla_ssm_last_error`] tells why.
 
 use crate::error::Error;
-use crate::ops::selective_scan::{n_checkpoints, run_bwd, run_fwd, validate_bwd, validate_fwd, BwdArgs, FwdArgs, Inputs, Layout};
+use crate::ops::selective_scan::{
+    n_checkpoints, run_bwd, run_fwd, validate_bwd, validate_fwd, BwdArgs, FwdArgs, Inputs, Layout,
+};
 use crate::ops::{Platform, Tensor};
 use crate::DType;
 use std::cell::RefCell;
@@ -222,7 +224,12 @@ macro_rules! describe {
             [a.dtype, a.bc_dtype, a.layout],
             a.delta_softplus,
             [ptr(a.u), ptr(a.delta), ptr(a.a as *const c_void), ptr(a.b), ptr(a.c)],
-            [ptr(a.d as *const c_void), ptr(a.z), ptr(a.delta_bias as *const c_void), ptr(a.initial_state as *const c_void)],
+            [
+                ptr(a.d as *const c_void),
+                ptr(a.z),
+                ptr(a.delta_bias as *const c_void),
+                ptr(a.initial_state as *const c_void),
+            ],
         )
     }};
 }

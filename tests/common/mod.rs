@@ -3,6 +3,8 @@
 //! and (in [`xla`]) a fake XLA runtime that builds real call frames.
 #![allow(dead_code)]
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod xla;
 
 use half::{bf16, f16};
@@ -794,6 +796,18 @@ pub struct Grads<E> {
     pub dinitial_state: Option<Vec<E>>,
 }
 
+impl Grads<f32> {
+    /// Every gradient's bits, in result order (for determinism checks).
+    pub fn bits(&self) -> Vec<u32> {
+        let optional = [&self.dd, &self.dz, &self.ddelta_bias, &self.dinitial_state];
+        [&self.du, &self.ddelta, &self.da, &self.db, &self.dc]
+            .into_iter()
+            .chain(optional.into_iter().flatten())
+            .flat_map(|v| v.iter().map(|x| x.to_bits()))
+            .collect()
+    }
+}
+
 fn sigmoid(x: f64) -> f64 {
     1.0 / (1.0 + (-x).exp())
 }
@@ -808,7 +822,8 @@ struct ChannelForward {
 
 fn channel_forward(case: &Case, x: &RefInputs, b: usize, d: usize) -> ChannelForward {
     let ns = case.dstate;
-    let mut h = vec![(0..ns).map(|n| x.initial_state.map_or(0.0, |h0| h0[(b * case.dim + d) * ns + n] as f64)).collect()];
+    let mut h =
+        vec![(0..ns).map(|n| x.initial_state.map_or(0.0, |h0| h0[(b * case.dim + d) * ns + n] as f64)).collect()];
     let (mut dts, mut ys) = (Vec::new(), Vec::new());
     for l in 0..case.seqlen {
         let xi = case.x_index(b, d, l);
@@ -985,7 +1000,12 @@ impl BwdProblem {
     pub fn poisoned_fwd_results(&self) -> Vec<Operand> {
         let mut rets = self.p.poisoned_results();
         let len = self.checkpoint_dims().iter().product::<i64>() as usize;
-        rets.push(Operand { name: "checkpoints", dtype: xla::F32, dims: self.checkpoint_dims(), bytes: Dt::F32.nans(len) });
+        rets.push(Operand {
+            name: "checkpoints",
+            dtype: xla::F32,
+            dims: self.checkpoint_dims(),
+            bytes: Dt::F32.nans(len),
+        });
         rets
     }
 
@@ -999,9 +1019,19 @@ impl BwdProblem {
             dims: self.checkpoint_dims(),
             bytes: Dt::F32.encode(checkpoints),
         });
-        ops.push(Operand { name: "dout", dtype: c.dtype.xla(), dims: dims_i64(&c.x_dims()), bytes: c.dtype.encode(&self.dout) });
+        ops.push(Operand {
+            name: "dout",
+            dtype: c.dtype.xla(),
+            dims: dims_i64(&c.x_dims()),
+            bytes: c.dtype.encode(&self.dout),
+        });
         if let Some(v) = &self.dfinal_state {
-            ops.push(Operand { name: "dfinal_state", dtype: xla::F32, dims: dims_i64(&c.state_dims()), bytes: Dt::F32.encode(v) });
+            ops.push(Operand {
+                name: "dfinal_state",
+                dtype: xla::F32,
+                dims: dims_i64(&c.state_dims()),
+                bytes: Dt::F32.encode(v),
+            });
         }
         ops
     }

@@ -1003,7 +1003,15 @@ fn stage_inputs<T: Io, TB: Io, const W: usize, const FMA: bool>(
 
 /// B (or C) of (b, group g) for steps l0.., as f32 [step][state]. Reads in address order.
 #[inline(always)]
-pub(super) fn stage_shared_bc<TB: Io>(src: &[TB], p: &Geom, b: usize, g: usize, l0: usize, steps: usize, dst: &mut [f32]) {
+pub(super) fn stage_shared_bc<TB: Io>(
+    src: &[TB],
+    p: &Geom,
+    b: usize,
+    g: usize,
+    l0: usize,
+    steps: usize,
+    dst: &mut [f32],
+) {
     let (n, d) = (p.dstate, g * p.dim_per_group); // d: any channel of the group
     if n == 0 {
         return;

@@ -20,8 +20,8 @@
 //!   the forward); their u, cotangents and state gradients are zeroed, so that they add exact zeros.
 
 use super::cpu::{
-    build, exp, exp2, in_parallel, input, lane, optional, scan_states, softplus, stage_lane_bc, stage_shared_bc,
-    take, take_lanes, transpose_in, with_io_types, write_x, Bc, Geom, Io, Isa, Out, V, PARALLEL_WORK,
+    build, exp, exp2, in_parallel, input, lane, optional, scan_states, softplus, stage_lane_bc, stage_shared_bc, take,
+    take_lanes, transpose_in, with_io_types, write_x, Bc, Geom, Io, Isa, Out, PARALLEL_WORK, V,
 };
 use super::{n_checkpoints, Bwd, BwdParams};
 use crate::DType;
@@ -352,7 +352,12 @@ const STAGED: usize = 10;
 
 /// One unit: its blocks, walked backwards through time piece by piece.
 #[inline(always)]
-fn unit<T: Io, TB: Io, const W: usize, const FMA: bool>(ctx: &Ctx<T, TB>, plan: &Plan, i: usize, mut scratch: &mut [f32]) {
+fn unit<T: Io, TB: Io, const W: usize, const FMA: bool>(
+    ctx: &Ctx<T, TB>,
+    plan: &Plan,
+    i: usize,
+    mut scratch: &mut [f32],
+) {
     let p = &ctx.p;
     let (n, tv) = (plan.dstate, plan.time_varying);
     let (b, g, blocks) = plan.unit(i);
@@ -363,7 +368,8 @@ fn unit<T: Io, TB: Io, const W: usize, const FMA: bool>(ctx: &Ctx<T, TB>, plan: 
     let start = take_lanes::<W>(buf, n);
     let a2 = take_lanes::<W>(buf, n);
     let av = take_lanes::<W>(buf, n);
-    let (bv, cv) = if tv { (take_lanes::<W>(buf, 0), take_lanes::<W>(buf, 0)) } else { (take_lanes(buf, n), take_lanes(buf, n)) };
+    let (bv, cv) =
+        if tv { (take_lanes::<W>(buf, 0), take_lanes::<W>(buf, 0)) } else { (take_lanes(buf, n), take_lanes(buf, n)) };
     let acc_len = if tv { plan.piece * n } else { 0 };
     let (db_acc, dc_acc) = (take_lanes::<W>(buf, acc_len), take_lanes::<W>(buf, acc_len));
     let hist = take_lanes::<W>(buf, (plan.piece + 1) * GROUP);
@@ -387,7 +393,8 @@ fn unit<T: Io, TB: Io, const W: usize, const FMA: bool>(ctx: &Ctx<T, TB>, plan: 
     for (k, j) in blocks.clone().enumerate() {
         let (first, width) = plan.block(g, j);
         for (s, gs) in grads[k * n..(k + 1) * n].iter_mut().enumerate() {
-            *gs = build(|l| if l < width { ctx.dfinal.map_or(0.0, |f| f[(b * p.dim + first + l) * n + s]) } else { 0.0 });
+            *gs =
+                build(|l| if l < width { ctx.dfinal.map_or(0.0, |f| f[(b * p.dim + first + l) * n + s]) } else { 0.0 });
         }
     }
 
@@ -599,7 +606,9 @@ fn stage_dout<T: Io, TB, const W: usize, const FMA: bool>(
         dy.copy_from_slice(dout);
     }
     let skip = V::<W>(build(|i| ctx.d.map_or(0.0, |v| v[first + lane(i, width)])));
-    for ((y, u), (gb, gah)) in x.y[..steps].iter_mut().zip(&x.u[..steps]).zip(x.gb[..steps].iter_mut().zip(x.gah[..steps].iter_mut())) {
+    for ((y, u), (gb, gah)) in
+        x.y[..steps].iter_mut().zip(&x.u[..steps]).zip(x.gb[..steps].iter_mut().zip(x.gah[..steps].iter_mut()))
+    {
         *y = (skip * V(*u)).0;
         *gb = [0.0; W];
         *gah = [0.0; W];

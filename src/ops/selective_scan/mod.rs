@@ -451,9 +451,7 @@ pub fn run_fwd(fwd: &Fwd, platform: Platform) -> Result<()> {
 
 #[cfg(not(feature = "cuda"))]
 fn no_cuda(op: &str) -> Error {
-    Error::Unimplemented(format!(
-        "{op}: this build of xla-ssm has no CUDA support (built without the `cuda` feature)"
-    ))
+    Error::Unimplemented(format!("{op}: this build of xla-ssm has no CUDA support (built without the `cuda` feature)"))
 }
 
 // ------------------------------------------------------------------------------------ backward
@@ -527,7 +525,13 @@ pub fn validate_bwd(args: &BwdArgs) -> Result<Bwd> {
     let (x_dims, state_dims) = (&i.u.dims, k.state_dims());
     validate_checkpoint_len(op, args.checkpoint_len, false)?;
     let checkpoint_dims = k.checkpoint_dims(args.checkpoint_len);
-    expect(args.checkpoints, &format!("{op}: operand `checkpoints`"), &checkpoint_dims, CHECKPOINTS_MEANING, &[DType::F32])?;
+    expect(
+        args.checkpoints,
+        &format!("{op}: operand `checkpoints`"),
+        &checkpoint_dims,
+        CHECKPOINTS_MEANING,
+        &[DType::F32],
+    )?;
     expect(args.dout, &format!("{op}: operand `dout`"), x_dims, k.x_meaning, &[k.dtype])?;
     if let Some(t) = args.dfinal_state {
         expect(t, &format!("{op}: operand `dfinal_state`"), &state_dims, STATE_MEANING, &[DType::F32])?;
@@ -542,7 +546,15 @@ pub fn validate_bwd(args: &BwdArgs) -> Result<Bwd> {
         (i.d, args.dd, "D", "dD", &[dim], "[dim]", DType::F32),
         (i.z, args.dz, "z", "dz", x_dims, k.x_meaning, k.dtype),
         (i.delta_bias, args.ddelta_bias, "delta_bias", "ddelta_bias", &[dim], "[dim]", DType::F32),
-        (i.initial_state, args.dinitial_state, "initial_state", "dinitial_state", &state_dims, STATE_MEANING, DType::F32),
+        (
+            i.initial_state,
+            args.dinitial_state,
+            "initial_state",
+            "dinitial_state",
+            &state_dims,
+            STATE_MEANING,
+            DType::F32,
+        ),
     ];
     for (primal, grad, primal_name, name, dims, meaning, dtype) in optional {
         match (primal, grad) {
@@ -554,9 +566,7 @@ pub fn validate_bwd(args: &BwdArgs) -> Result<Bwd> {
                 )))
             }
             (None, Some(_)) => {
-                return Err(Error::invalid(format!(
-                    "{op}: result `{name}`: given, but operand `{primal_name}` is not"
-                )))
+                return Err(Error::invalid(format!("{op}: result `{name}`: given, but operand `{primal_name}` is not")))
             }
         }
     }
@@ -682,7 +692,8 @@ fn frame_results(frame: &Frame, op: &'static str, names: &[&'static str]) -> Res
         )));
     }
     let prefix = prefixed(op);
-    let rets: Vec<Tensor> = names.iter().enumerate().map(|(i, r)| frame.ret(i, r)).collect::<Result<_>>().map_err(&prefix)?;
+    let rets: Vec<Tensor> =
+        names.iter().enumerate().map(|(i, r)| frame.ret(i, r)).collect::<Result<_>>().map_err(&prefix)?;
     let workspace = if frame.num_rets() == n + 1 { Some(frame.ret(n, "workspace").map_err(&prefix)?) } else { None };
     Ok((rets, workspace))
 }
