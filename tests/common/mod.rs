@@ -893,17 +893,17 @@ pub fn reference_bwd(case: &Case, x: &RefInputs, dout: &[f32], dfinal_state: Opt
                     None => dout,
                 };
                 let (mut du, mut ddt) = (0.0, 0.0);
-                for n in 0..ns {
+                for (n, gn) in gs.iter_mut().enumerate() {
                     let bi = case.bc_index(b, d, n, l);
                     let (a_n, bv, cv) = (x.a[d * ns + n] as f64, x.b[bi] as f64, x.c[bi] as f64);
                     let decay = (dt * a_n).exp();
-                    let gl = gs[n] + cv * dy;
+                    let gl = *gn + cv * dy;
                     g.dc[bi] += dy * f.h[l + 1][n];
                     g.db[bi] += gl * dt * u;
                     du += gl * dt * bv;
                     ddt += gl * (bv * u + a_n * decay * f.h[l][n]);
                     g.da[d * ns + n] += gl * decay * f.h[l][n] * dt;
-                    gs[n] = decay * gl;
+                    *gn = decay * gl;
                 }
                 g.du[xi] = du + x.d.map_or(0.0, |v| v[d] as f64) * dy;
                 let ddelta = if case.softplus {
@@ -1073,7 +1073,7 @@ impl BwdProblem {
     }
 
     /// The forward through the CPU handler with checkpoints: (out, final_state, checkpoints).
-    pub fn run_fwd_cpu(&self) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), (i32, String)> {
+    pub fn run_fwd_cpu(&self) -> Result<FwdOutputs, (i32, String)> {
         let mut call = HostCall { args: own(self.p.operands()), rets: own(self.poisoned_fwd_results()) };
         let (args, rets) = (call.arg_bufs(), call.ret_bufs());
         let mut frame = xla::Frame::new(&args, &rets, &self.fwd_attrs(), std::ptr::null_mut());
@@ -1098,6 +1098,9 @@ impl BwdProblem {
         self.run_bwd_cpu(&checkpoints)
     }
 }
+
+/// The forward's results with checkpoints: (out, final_state, checkpoints).
+pub type FwdOutputs = (Vec<f32>, Vec<f32>, Vec<f32>);
 
 /// (primal, gradient) result names, in result order.
 pub const GRAD_NAMES: [(&str, &str); 9] = [

@@ -190,7 +190,7 @@ fn run<T: Io, TB: Io>(p: &BwdParams, groups: usize) {
     let mut part_b = vec![0f32; part_bc_len];
     let mut part_c = vec![0f32; part_bc_len];
     let out = |v: &mut Vec<f32>| Out { ptr: v.as_mut_ptr(), len: v.len() };
-    let some_out = |v: &mut Vec<f32>, present: bool| present.then(|| Out { ptr: v.as_mut_ptr(), len: v.len() });
+    let some_out = |v: &mut Vec<f32>, present: bool| present.then_some(Out { ptr: v.as_mut_ptr(), len: v.len() });
     // SAFETY: `validate_bwd` checked every operand's shape and non-nullness against these sizes;
     // inputs are not written during the call.
     let ctx = unsafe {
@@ -450,19 +450,27 @@ fn unit<T: Io, TB: Io, const W: usize, const FMA: bool>(
                 } else {
                     start.copy_from_slice(&subs[(kb * plan.subs + j - 1) * n..][..n]);
                 }
-                let gs = &mut grads[kb * n..(kb + 1) * n];
                 let ch = Channels { b, first, width };
+                let mut piece = Piece {
+                    ch,
+                    steps,
+                    start,
+                    grads: &mut grads[kb * n..(kb + 1) * n],
+                    a2,
+                    av,
+                    x: &mut x,
+                    acc: tv.then(|| BcGrads { db: &mut db_acc[..steps * n], dc: &mut dc_acc[..steps * n] }),
+                    hist,
+                    dec,
+                };
                 if tv {
                     let (bs, cs) = (&bs[..steps * n], &cs[..steps * n]);
-                    let bc = |l: usize, s: usize| (V::splat(bs[l * n + s]), V::splat(cs[l * n + s]));
-                    let acc = Some((&mut db_acc[..steps * n], &mut dc_acc[..steps * n]));
-                    states::<T, TB, W, FMA>(ctx, ch, start, gs, a2, av, &mut x, steps, bc, acc, hist, dec);
+                    states::<T, TB, W, FMA>(ctx, &mut piece, |l, s| (V::splat(bs[l * n + s]), V::splat(cs[l * n + s])));
                 } else {
                     stage_lane_bc(ctx.b, p, b, first, width, l0, bv);
                     stage_lane_bc(ctx.c, p, b, first, width, l0, cv);
                     let (bv, cv) = (&*bv, &*cv);
-                    let bc = |_: usize, s: usize| (V(bv[s]), V(cv[s]));
-                    states::<T, TB, W, FMA>(ctx, ch, start, gs, a2, av, &mut x, steps, bc, None, hist, dec);
+                    states::<T, TB, W, FMA>(ctx, &mut piece, |_, s| (V(bv[s]), V(cv[s])));
                 }
                 finish::<T, TB, W, FMA>(ctx, ch, l0, steps, &mut x);
             }
@@ -621,57 +629,53 @@ fn sigmoid<const W: usize, const FMA: bool>(x: V<W>) -> V<W> {
     exp::<W, FMA>(x.map(|x| -x)).map(|e| 1.0 / (1.0 + e))
 }
 
-/// Every state of one block over one piece, in register groups of [`GROUP`], 4 and 1 states.
+/// One block's piece: what its state groups read and add to.
+struct Piece<'a, 'x, const W: usize> {
+    ch: Channels,
+    steps: usize,
+    /// The states entering the piece, [state][lane].
+    start: &'a [[f32; W]],
+    /// The state gradients: a[l+1] g[l+1] while walking back, [state][lane].
+    grads: &'a mut [[f32; W]],
+    /// A log2 e (for [`exp2`]) and A, [state][lane].
+    a2: &'a [[f32; W]],
+    av: &'a [[f32; W]],
+    x: &'a mut Staged<'x, W>,
+    /// Time-varying B/C: the piece's dB and dC per (step, state), lane vectors summed over the unit's
+    /// blocks.
+    acc: Option<BcGrads<'a, W>>,
+    /// One state group's states after each step (after the states entering the piece), and decays.
+    hist: &'a mut [[f32; W]],
+    dec: &'a mut [[f32; W]],
+}
+
+/// dB and dC accumulators, [step * dstate + state].
+struct BcGrads<'a, const W: usize> {
+    db: &'a mut [[f32; W]],
+    dc: &'a mut [[f32; W]],
+}
+
+/// Every state of one block over one piece, in register groups of [`GROUP`], 4 and 1 states;
+/// `bc(step, state)` gives B and C.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn states<T, TB, const W: usize, const FMA: bool>(
     ctx: &Ctx<T, TB>,
-    ch: Channels,
-    start: &[[f32; W]],
-    grads: &mut [[f32; W]],
-    a2: &[[f32; W]],
-    av: &[[f32; W]],
-    x: &mut Staged<W>,
-    steps: usize,
+    piece: &mut Piece<W>,
     bc: impl Fn(usize, usize) -> (V<W>, V<W>) + Copy,
-    mut acc: Option<(&mut [[f32; W]], &mut [[f32; W]])>,
-    hist: &mut [[f32; W]],
-    dec: &mut [[f32; W]],
 ) {
-    let n = start.len();
+    let n = piece.start.len();
     let mut s0 = 0;
     while s0 < n {
         let left = n - s0;
-        let acc = acc.as_mut().map(|(b, c)| (&mut **b, &mut **c));
-        let args = (ctx, ch, s0, start, &mut *grads, a2, av, &mut *x, steps, bc, acc, &mut *hist, &mut *dec);
         s0 += if left >= GROUP {
-            group::<T, TB, W, FMA, GROUP>(args)
+            group::<T, TB, W, FMA, GROUP>(ctx, piece, s0, bc)
         } else if left >= 4 {
-            group::<T, TB, W, FMA, 4>(args)
+            group::<T, TB, W, FMA, 4>(ctx, piece, s0, bc)
         } else {
-            group::<T, TB, W, FMA, 1>(args)
+            group::<T, TB, W, FMA, 1>(ctx, piece, s0, bc)
         };
     }
 }
-
-/// What [`group`] works on: (ctx, channels, first state, states entering the piece, state gradients,
-/// A log2 e, A, staged inputs, steps, B/C at (step, state), time-varying dB/dC accumulators,
-/// history, decays).
-type GroupArgs<'a, 'x, T, TB, const W: usize, F> = (
-    &'a Ctx<'a, T, TB>,
-    Channels,
-    usize,
-    &'a [[f32; W]],
-    &'a mut [[f32; W]],
-    &'a [[f32; W]],
-    &'a [[f32; W]],
-    &'a mut Staged<'x, W>,
-    usize,
-    F,
-    Option<(&'a mut [[f32; W]], &'a mut [[f32; W]])>,
-    &'a mut [[f32; W]],
-    &'a mut [[f32; W]],
-);
 
 /// States s0..s0 + G of one block over one piece: recomputes their states from those entering the
 /// piece (keeping each step's state and decay), then runs the reverse recurrence, adding to the
@@ -679,9 +683,12 @@ type GroupArgs<'a, 'x, T, TB, const W: usize, F> = (
 /// dB and dC when time-invariant) to the unit's partials. Returns G.
 #[inline(always)]
 fn group<T, TB, const W: usize, const FMA: bool, const G: usize>(
-    args: GroupArgs<T, TB, W, impl Fn(usize, usize) -> (V<W>, V<W>)>,
+    ctx: &Ctx<T, TB>,
+    piece: &mut Piece<W>,
+    s0: usize,
+    bc: impl Fn(usize, usize) -> (V<W>, V<W>),
 ) -> usize {
-    let (ctx, ch, s0, start, grads, a2, av, x, steps, bc, mut acc, hist, dec) = args;
+    let Piece { ch, steps, start, ref mut grads, a2, av, ref mut x, ref mut acc, ref mut hist, ref mut dec } = *piece;
     let n = start.len();
     let a2: [V<W>; G] = std::array::from_fn(|j| V(a2[s0 + j]));
     let av: [V<W>; G] = std::array::from_fn(|j| V(av[s0 + j]));
@@ -719,8 +726,8 @@ fn group<T, TB, const W: usize, const FMA: bool, const G: usize>(
             let gah_j = g * a * before;
             gah = gah_j.mul_add::<FMA>(av[j], gah);
             da[j] = gah_j.mul_add::<FMA>(dt, da[j]);
-            match &mut acc {
-                Some((dba, dca)) => {
+            match acc {
+                Some(BcGrads { db: dba, dc: dca }) => {
                     let k = i * n + s0 + j;
                     dba[k] = g.mul_add::<FMA>(dtu, V(dba[k])).0;
                     dca[k] = dy.mul_add::<FMA>(after, V(dca[k])).0;

@@ -542,7 +542,9 @@ pub fn validate_bwd(args: &BwdArgs) -> Result<Bwd> {
     expect(args.da, &format!("{op}: result `dA`"), &[dim, dstate], "[dim, dstate]", &[DType::F32])?;
     expect(args.db, &format!("{op}: result `dB`"), &k.bc_dims, k.bc_meaning, &[k.bc_dtype])?;
     expect(args.dc, &format!("{op}: result `dC`"), &k.bc_dims, k.bc_meaning, &[k.bc_dtype])?;
-    let optional: [(Option<&Tensor>, Option<&Tensor>, &str, &str, &[i64], &str, DType); 4] = [
+    // (primal, gradient, their names, the gradient's shape, its meaning, dtype)
+    type OptionalGrad<'t> = (Option<&'t Tensor>, Option<&'t Tensor>, &'t str, &'t str, &'t [i64], &'t str, DType);
+    let optional: [OptionalGrad; 4] = [
         (i.d, args.dd, "D", "dD", &[dim], "[dim]", DType::F32),
         (i.z, args.dz, "z", "dz", x_dims, k.x_meaning, k.dtype),
         (i.delta_bias, args.ddelta_bias, "delta_bias", "ddelta_bias", &[dim], "[dim]", DType::F32),
