@@ -62,64 +62,57 @@ typedef struct XlaSsmSelectiveScanFwdArgs {
   // of a small batch x dim over the whole GPU. NULL / 0: no split. Unused on the host.
   void *workspace;
   int64_t workspace_bytes;
+  // Steps between the checkpoints the backward pass needs: 0 (none) or a positive multiple of 32.
+  int64_t checkpoint_len;
+  // (batch, dim, ceil(seqlen / checkpoint_len), dstate) f32, written when checkpoint_len > 0 (NULL
+  // otherwise): checkpoint k is the state entering step k * checkpoint_len.
+  float *checkpoints;
 } XlaSsmSelectiveScanFwdArgs;
 
-// Arguments of `selective_state_update`: one token, `state` updated in place. Dense row-major
-// arrays; optional pointers may be NULL.
-typedef struct XlaSsmStateUpdateArgs {
+// Arguments of the backward selective scan (docs/selective_scan_bwd.md): the forward's inputs, its
+// checkpoints, the cotangents and the gradients. Dense row-major arrays; each gradient has its
+// primal's shape and dtype, and an optional one is given (non-NULL) exactly when its primal is.
+typedef struct XlaSsmSelectiveScanBwdArgs {
   int64_t batch;
   int64_t dim;
-  // 0..=256.
+  int64_t seqlen;
   int64_t dstate;
-  // Groups of B and C (must divide dim).
+  // As in [`XlaSsmSelectiveScanFwdArgs`]: 0 for time-invariant B/C.
   int64_t groups;
-  // Rows of `state` when `state_batch_indices` is given (a pool of states); ignored otherwise
-  // (the state then has `batch` rows).
-  int64_t n_slots;
-  // dtype of x, dt, z and out.
   XlaSsmDtype dtype;
-  // dtype of B and C: XLA_SSM_F32 or `dtype`.
   XlaSsmDtype bc_dtype;
-  // dtype of the state: XLA_SSM_F32 or `dtype`.
-  XlaSsmDtype state_dtype;
-  bool dt_softplus;
-  // (n_slots or batch, dim, dstate), read and written.
-  void *state;
-  // (batch, dim).
-  const void *x;
-  // (batch, dim).
-  const void *dt;
-  // (dim, dstate) f32.
+  XlaSsmLayout layout;
+  bool delta_softplus;
+  const void *u;
+  const void *delta;
   const float *a;
-  // (batch, groups, dstate).
   const void *b;
   const void *c;
-  // (dim) f32, optional.
   const float *d;
-  // (batch, dim), optional.
   const void *z;
-  // (dim) f32, optional.
-  const float *dt_bias;
-  // (batch) int32, optional: row i updates state row state_batch_indices[i]; a negative entry is a
-  // padding row (output 0, no state touched). On the host an entry >= n_slots is an error; on the
-  // GPU such a row is skipped like padding.
-  const int32_t *state_batch_indices;
-  // (batch, dim), like x.
-  void *out;
-} XlaSsmStateUpdateArgs;
-
-// Arguments of the fused decode step: `XlaSsmStateUpdateArgs` (whose `x` is the conv's input) plus
-// the conv: `conv_state` (n_slots or batch, dim, width - 1), dtype of x, updated in place;
-// `conv_weight` (dim, width) and optional `conv_bias` (dim), both of `conv_dtype` (XLA_SSM_F32 or
-// the dtype of x). width is 2..=4.
-typedef struct XlaSsmDecodeStepArgs {
-  struct XlaSsmStateUpdateArgs ssm;
-  int64_t width;
-  XlaSsmDtype conv_dtype;
-  void *conv_state;
-  const void *conv_weight;
-  const void *conv_bias;
-} XlaSsmDecodeStepArgs;
+  const float *delta_bias;
+  const float *initial_state;
+  // The forward's checkpoints and their spacing (a positive multiple of 32).
+  int64_t checkpoint_len;
+  const float *checkpoints;
+  // Cotangent of out (like u).
+  const void *dout;
+  // Cotangent of final_state, (batch, dim, dstate) f32, optional.
+  const float *dfinal_state;
+  void *du;
+  void *ddelta;
+  float *da;
+  void *db;
+  void *dc;
+  float *dd;
+  void *dz;
+  float *ddelta_bias;
+  float *dinitial_state;
+  // Device scratch of at least [`xla_ssm_selective_scan_bwd_workspace_bytes`] bytes: required by
+  // the CUDA backward, unused on the host.
+  void *workspace;
+  int64_t workspace_bytes;
+} XlaSsmSelectiveScanBwdArgs;
 
 #define XLA_SSM_OK 0
 
@@ -177,34 +170,28 @@ XlaSsmStatus xla_ssm_selective_scan_fwd_host(const struct XlaSsmSelectiveScanFwd
 XlaSsmStatus xla_ssm_selective_scan_fwd_cuda_launch(const struct XlaSsmSelectiveScanFwdArgs *args,
                                                     void *stream);
 
-// One decode token of the selective scan on host memory; `state` is updated in place.
+// Bytes of device workspace the CUDA backward needs for this shape (`groups` = 0 for
+// time-invariant B/C). Depends on the shape only.
+int64_t xla_ssm_selective_scan_bwd_workspace_bytes(int64_t batch,
+                                                   int64_t dim,
+                                                   int64_t seqlen,
+                                                   int64_t dstate,
+                                                   int64_t groups);
+
+// Backward selective scan on host memory, on the calling thread (and worker threads it joins).
 //
 // # Safety
 // `args` points at a valid struct whose pointers address arrays of the sizes it describes.
-XlaSsmStatus xla_ssm_selective_state_update_host(const struct XlaSsmStateUpdateArgs *args);
+XlaSsmStatus xla_ssm_selective_scan_bwd_host(const struct XlaSsmSelectiveScanBwdArgs *args);
 
-// One decode token of the selective scan on device memory, enqueued on `stream` (NULL: the legacy
-// default stream); `state` is updated in place. One kernel, no synchronization: capturable in CUDA
-// graphs. Out-of-range `state_batch_indices` are skipped, not checked (that would need a sync).
+// Backward selective scan on device memory, enqueued on `stream` (a `CUstream`; NULL for the
+// legacy default stream of the current context); needs the workspace. Returns once the work is
+// enqueued; does not synchronize.
 //
 // # Safety
-// As [`xla_ssm_selective_state_update_host`], with device pointers of the stream's context.
-XlaSsmStatus xla_ssm_selective_state_update_cuda_launch(const struct XlaSsmStateUpdateArgs *args,
-                                                        void *stream);
-
-// The fused decode step (conv update + SiLU + state update + gate) on host memory; `conv_state` and
-// the ssm state are updated in place.
-//
-// # Safety
-// `args` points at a valid struct whose pointers address arrays of the sizes it describes.
-XlaSsmStatus xla_ssm_mamba_decode_step_host(const struct XlaSsmDecodeStepArgs *args);
-
-// The fused decode step on device memory, one kernel enqueued on `stream`; capturable in CUDA graphs.
-//
-// # Safety
-// As [`xla_ssm_mamba_decode_step_host`], with device pointers of the stream's context.
-XlaSsmStatus xla_ssm_mamba_decode_step_cuda_launch(const struct XlaSsmDecodeStepArgs *args,
-                                                   void *stream);
+// As [`xla_ssm_selective_scan_bwd_host`], with device pointers of the stream's context.
+XlaSsmStatus xla_ssm_selective_scan_bwd_cuda_launch(const struct XlaSsmSelectiveScanBwdArgs *args,
+                                                    void *stream);
 
 // XLA FFI handler of `xla_ssm_selective_scan_fwd` for platform "cpu" (register with
 // `jax.ffi.register_ffi_target(..., platform="cpu")`).
@@ -220,75 +207,18 @@ XLA_FFI_Error *xla_ssm_selective_scan_fwd_cpu(XLA_FFI_CallFrame *call_frame);
 // Called by XLA with a valid call frame.
 XLA_FFI_Error *xla_ssm_selective_scan_fwd_cuda(XLA_FFI_CallFrame *call_frame);
 
-// XLA FFI handler of `xla_ssm_selective_state_update` (selective state update (one decode token, state in place)) for platform "cpu".
+// XLA FFI handler of `xla_ssm_selective_scan_bwd` for platform "cpu" (docs/selective_scan_bwd.md).
 //
 // # Safety
 // Called by XLA with a valid call frame.
-XLA_FFI_Error *xla_ssm_selective_state_update_cpu(XLA_FFI_CallFrame *call_frame);
+XLA_FFI_Error *xla_ssm_selective_scan_bwd_cpu(XLA_FFI_CallFrame *call_frame);
 
-// XLA FFI handler of `xla_ssm_selective_state_update` for platform "CUDA". Runs on XLA's stream, allocates
-// nothing and never synchronizes (the copy of a non-aliased state is an async device copy), so it is
-// safe in CUDA graphs (command buffers).
+// XLA FFI handler of `xla_ssm_selective_scan_bwd` for platform "CUDA". Runs on XLA's stream, with
+// the workspace result as its only scratch, and never synchronizes, so it is safe in CUDA graphs.
 //
 // # Safety
 // Called by XLA with a valid call frame.
-XLA_FFI_Error *xla_ssm_selective_state_update_cuda(XLA_FFI_CallFrame *call_frame);
-
-// XLA FFI handler of `xla_ssm_causal_conv1d_fwd` (causal conv1d forward) for platform "cpu".
-//
-// # Safety
-// Called by XLA with a valid call frame.
-XLA_FFI_Error *xla_ssm_causal_conv1d_fwd_cpu(XLA_FFI_CallFrame *call_frame);
-
-// XLA FFI handler of `xla_ssm_causal_conv1d_fwd` for platform "CUDA". Runs on XLA's stream, allocates
-// nothing and never synchronizes (the copy of a non-aliased state is an async device copy), so it is
-// safe in CUDA graphs (command buffers).
-//
-// # Safety
-// Called by XLA with a valid call frame.
-XLA_FFI_Error *xla_ssm_causal_conv1d_fwd_cuda(XLA_FFI_CallFrame *call_frame);
-
-// XLA FFI handler of `xla_ssm_causal_conv1d_bwd` (causal conv1d backward) for platform "cpu".
-//
-// # Safety
-// Called by XLA with a valid call frame.
-XLA_FFI_Error *xla_ssm_causal_conv1d_bwd_cpu(XLA_FFI_CallFrame *call_frame);
-
-// XLA FFI handler of `xla_ssm_causal_conv1d_bwd` for platform "CUDA". Runs on XLA's stream, allocates
-// nothing and never synchronizes (the copy of a non-aliased state is an async device copy), so it is
-// safe in CUDA graphs (command buffers).
-//
-// # Safety
-// Called by XLA with a valid call frame.
-XLA_FFI_Error *xla_ssm_causal_conv1d_bwd_cuda(XLA_FFI_CallFrame *call_frame);
-
-// XLA FFI handler of `xla_ssm_causal_conv1d_update` (causal conv1d update (conv state in place)) for platform "cpu".
-//
-// # Safety
-// Called by XLA with a valid call frame.
-XLA_FFI_Error *xla_ssm_causal_conv1d_update_cpu(XLA_FFI_CallFrame *call_frame);
-
-// XLA FFI handler of `xla_ssm_causal_conv1d_update` for platform "CUDA". Runs on XLA's stream, allocates
-// nothing and never synchronizes (the copy of a non-aliased state is an async device copy), so it is
-// safe in CUDA graphs (command buffers).
-//
-// # Safety
-// Called by XLA with a valid call frame.
-XLA_FFI_Error *xla_ssm_causal_conv1d_update_cuda(XLA_FFI_CallFrame *call_frame);
-
-// XLA FFI handler of `xla_ssm_mamba_decode_step` (fused decode step (conv update + SiLU + state update + gate)) for platform "cpu".
-//
-// # Safety
-// Called by XLA with a valid call frame.
-XLA_FFI_Error *xla_ssm_mamba_decode_step_cpu(XLA_FFI_CallFrame *call_frame);
-
-// XLA FFI handler of `xla_ssm_mamba_decode_step` for platform "CUDA". Runs on XLA's stream, allocates
-// nothing and never synchronizes (the copy of a non-aliased state is an async device copy), so it is
-// safe in CUDA graphs (command buffers).
-//
-// # Safety
-// Called by XLA with a valid call frame.
-XLA_FFI_Error *xla_ssm_mamba_decode_step_cuda(XLA_FFI_CallFrame *call_frame);
+XLA_FFI_Error *xla_ssm_selective_scan_bwd_cuda(XLA_FFI_CallFrame *call_frame);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -129,6 +129,8 @@ fn host_entry_point_all_dtypes() {
             out: call.rets[0].1.ptr(),
             workspace: std::ptr::null_mut(),
             workspace_bytes: 0,
+            checkpoint_len: 0,
+            checkpoints: std::ptr::null_mut(),
             final_state: call.rets[1].1.ptr() as *mut f32,
         };
         // SAFETY: host buffers of the described sizes.
@@ -182,6 +184,8 @@ fn cuda_launch_without_cuda() {
         out: call.rets[0].1.ptr(),
         workspace: std::ptr::null_mut(),
         workspace_bytes: 0,
+        checkpoint_len: 0,
+        checkpoints: std::ptr::null_mut(),
         final_state: call.rets[1].1.ptr() as *mut f32,
     };
     // SAFETY: never dereferenced without a device (the call fails first).
@@ -194,4 +198,140 @@ fn cuda_launch_without_cuda() {
     let status = unsafe { xla_ssm_selective_scan_fwd_cuda_launch(&args, std::ptr::null_mut()) };
     assert_eq!(status, XLA_SSM_INVALID_ARGUMENT);
     assert!(last_error().contains("layout"), "{}", last_error());
+}
+
+/// The host forward with checkpoints, then the host backward, against the f64 reference; a bad
+/// gradient pointer set is refused naming it.
+#[test]
+fn host_backward_round_trip() {
+    for (dtype, bc_dtype, layout, groups) in
+        [(Dt::F32, Dt::F32, Layout::Bdl, 1), (Dt::BF16, Dt::F32, Layout::Bld, 0), (Dt::F16, Dt::F16, Layout::Bdl, 2)]
+    {
+        let case = Case { dtype, bc_dtype, layout, groups, ..Case::new(2, 8, 70, 16).all_optional() };
+        let bp = BwdProblem::random(&case, 32, true);
+        let mut args: Vec<(Operand, HostBuf)> =
+            bp.p.operands()
+                .into_iter()
+                .map(|o| {
+                    let h = HostBuf::from_bytes(&o.bytes);
+                    (o, h)
+                })
+                .collect();
+        let mut fwd_rets: Vec<(Operand, HostBuf)> = bp
+            .poisoned_fwd_results()
+            .into_iter()
+            .map(|o| {
+                let h = HostBuf::from_bytes(&o.bytes);
+                (o, h)
+            })
+            .collect();
+        let ptr = |list: &mut Vec<(Operand, HostBuf)>, name: &str| {
+            list.iter_mut().find(|(o, _)| o.name == name).map_or(std::ptr::null_mut(), |(_, h)| h.ptr())
+        };
+        let fwd = XlaSsmSelectiveScanFwdArgs {
+            batch: case.batch as i64,
+            dim: case.dim as i64,
+            seqlen: case.seqlen as i64,
+            dstate: case.dstate as i64,
+            groups: case.groups as i64,
+            dtype: dtype.capi(),
+            bc_dtype: bc_dtype.capi(),
+            layout: layout.capi(),
+            delta_softplus: case.softplus,
+            u: ptr(&mut args, "u"),
+            delta: ptr(&mut args, "delta"),
+            a: ptr(&mut args, "A") as *const f32,
+            b: ptr(&mut args, "B"),
+            c: ptr(&mut args, "C"),
+            d: ptr(&mut args, "D") as *const f32,
+            z: ptr(&mut args, "z"),
+            delta_bias: ptr(&mut args, "delta_bias") as *const f32,
+            initial_state: ptr(&mut args, "initial_state") as *const f32,
+            out: ptr(&mut fwd_rets, "out"),
+            final_state: ptr(&mut fwd_rets, "final_state") as *mut f32,
+            workspace: std::ptr::null_mut(),
+            workspace_bytes: 0,
+            checkpoint_len: 32,
+            checkpoints: ptr(&mut fwd_rets, "checkpoints") as *mut f32,
+        };
+        // SAFETY: host buffers of the described sizes.
+        assert_eq!(unsafe { xla_ssm_selective_scan_fwd_host(&fwd) }, XLA_SSM_OK, "{}", last_error());
+        let checkpoints = Dt::F32.decode(fwd_rets[2].1.bytes());
+        assert_close("checkpoints", &case, &checkpoints, &bp.reference_checkpoints(), Tol::F32);
+
+        let mut bwd_args: Vec<(Operand, HostBuf)> = bp
+            .bwd_operands(&checkpoints)
+            .into_iter()
+            .map(|o| {
+                let h = HostBuf::from_bytes(&o.bytes);
+                (o, h)
+            })
+            .collect();
+        let mut grads: Vec<(Operand, HostBuf)> = bp
+            .poisoned_grads()
+            .into_iter()
+            .map(|o| {
+                let h = HostBuf::from_bytes(&o.bytes);
+                (o, h)
+            })
+            .collect();
+        let args = XlaSsmSelectiveScanBwdArgs {
+            batch: fwd.batch,
+            dim: fwd.dim,
+            seqlen: fwd.seqlen,
+            dstate: fwd.dstate,
+            groups: fwd.groups,
+            dtype: fwd.dtype,
+            bc_dtype: fwd.bc_dtype,
+            layout: fwd.layout,
+            delta_softplus: fwd.delta_softplus,
+            u: fwd.u,
+            delta: fwd.delta,
+            a: fwd.a,
+            b: fwd.b,
+            c: fwd.c,
+            d: fwd.d,
+            z: fwd.z,
+            delta_bias: fwd.delta_bias,
+            initial_state: fwd.initial_state,
+            checkpoint_len: 32,
+            checkpoints: ptr(&mut bwd_args, "checkpoints") as *const f32,
+            dout: ptr(&mut bwd_args, "dout"),
+            dfinal_state: ptr(&mut bwd_args, "dfinal_state") as *const f32,
+            du: ptr(&mut grads, "du"),
+            ddelta: ptr(&mut grads, "ddelta"),
+            da: ptr(&mut grads, "dA") as *mut f32,
+            db: ptr(&mut grads, "dB"),
+            dc: ptr(&mut grads, "dC"),
+            dd: ptr(&mut grads, "dD") as *mut f32,
+            dz: ptr(&mut grads, "dz"),
+            ddelta_bias: ptr(&mut grads, "ddelta_bias") as *mut f32,
+            dinitial_state: ptr(&mut grads, "dinitial_state") as *mut f32,
+            workspace: std::ptr::null_mut(),
+            workspace_bytes: 0,
+        };
+        // SAFETY: host buffers of the described sizes.
+        assert_eq!(unsafe { xla_ssm_selective_scan_bwd_host(&args) }, XLA_SSM_OK, "{}", last_error());
+        let rets: Vec<(&str, i32, &[u8])> = grads.iter().map(|(o, h)| (o.name, o.dtype, h.bytes())).collect();
+        check_grads(&bp, &bp.reference(), &bp.decode_grads(&rets));
+
+        // dz is required when z is given.
+        let bad = XlaSsmSelectiveScanBwdArgs { dz: std::ptr::null_mut(), ..args };
+        // SAFETY: as above.
+        assert_eq!(unsafe { xla_ssm_selective_scan_bwd_host(&bad) }, XLA_SSM_INVALID_ARGUMENT);
+        assert!(last_error().contains("`dz`") && last_error().contains("selective_scan_bwd"), "{}", last_error());
+    }
+}
+
+/// The backward's workspace size: the formula of docs/selective_scan_bwd.md's CUDA backward.
+#[test]
+fn bwd_workspace_bytes() {
+    // groups 0: 2 b d n + b d n + 2 b d floats.
+    assert_eq!(xla_ssm_selective_scan_bwd_workspace_bytes(2, 8, 40, 4, 0), 4 * (2 * 64 + 64 + 32));
+    // groups 2 of 100 channels: 2 tiles of 64 channels each.
+    assert_eq!(
+        xla_ssm_selective_scan_bwd_workspace_bytes(1, 200, 10, 16, 2),
+        4 * (2 * 2 * 2 * 16 * 10 + 200 * 16 + 400)
+    );
+    assert_eq!(xla_ssm_selective_scan_bwd_workspace_bytes(0, 8, 40, 4, 1), 0);
 }

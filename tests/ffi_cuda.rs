@@ -10,107 +10,12 @@
 
 mod common;
 
+use common::cuda::*;
 use common::xla::{self, Buf, Frame};
 use common::*;
 use cudarc::driver::{result, sys};
 use std::ffi::c_void;
-use std::sync::OnceLock;
 use xla_ssm::xla::handlers::xla_ssm_selective_scan_fwd_cuda as cuda_handler;
-
-// ---------------------------------------------------------------------------------------------
-// CUDA plumbing (cudarc's thin `result` layer; every call checked).
-
-/// False (after printing `skipped: no CUDA device`) when there is no device; else makes device 0's
-/// primary context current on this thread.
-fn gpu() -> bool {
-    if xla_ssm::cuda::device_count() == 0 {
-        println!("skipped: no CUDA device");
-        eprintln!("skipped: no CUDA device");
-        return false;
-    }
-    static CTX: OnceLock<usize> = OnceLock::new();
-    let ctx = *CTX.get_or_init(|| {
-        result::init().expect("cuInit");
-        let dev = result::device::get(0).expect("cuDeviceGet");
-        // SAFETY: a device from cuDeviceGet; retained for the life of the process.
-        unsafe { result::primary_ctx::retain(dev) }.expect("cuDevicePrimaryCtxRetain") as usize
-    });
-    // SAFETY: a live (retained) context.
-    unsafe { result::ctx::set_current(ctx as sys::CUcontext) }.expect("cuCtxSetCurrent");
-    true
-}
-
-/// A device allocation (at least one byte, so never null), freed on drop.
-struct DevBuf {
-    ptr: sys::CUdeviceptr,
-    len: usize,
-}
-
-impl DevBuf {
-    fn upload(bytes: &[u8]) -> DevBuf {
-        // SAFETY: plain allocation and a synchronous copy of `bytes` into it.
-        unsafe {
-            let ptr = result::malloc_sync(bytes.len().max(1)).expect("cuMemAlloc");
-            if !bytes.is_empty() {
-                result::memcpy_htod_sync(ptr, bytes).expect("cuMemcpyHtoD");
-            }
-            DevBuf { ptr, len: bytes.len() }
-        }
-    }
-
-    fn overwrite(&self, bytes: &[u8]) {
-        assert_eq!(bytes.len(), self.len);
-        if !bytes.is_empty() {
-            // SAFETY: `len` bytes were allocated.
-            unsafe { result::memcpy_htod_sync(self.ptr, bytes) }.expect("cuMemcpyHtoD");
-        }
-    }
-
-    fn download(&self) -> Vec<u8> {
-        let mut out = vec![0u8; self.len];
-        if self.len > 0 {
-            // SAFETY: `len` bytes were allocated.
-            unsafe { result::memcpy_dtoh_sync(&mut out, self.ptr) }.expect("cuMemcpyDtoH");
-        }
-        out
-    }
-
-    fn data(&self) -> *mut c_void {
-        self.ptr as *mut c_void
-    }
-}
-
-impl Drop for DevBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated by `upload`, freed once.
-        unsafe { result::free_sync(self.ptr) }.expect("cuMemFree");
-    }
-}
-
-/// A non-blocking stream created by the test, destroyed on drop.
-struct Stream(sys::CUstream);
-
-impl Stream {
-    fn new() -> Stream {
-        Stream(result::stream::create(result::stream::StreamKind::NonBlocking).expect("cuStreamCreate"))
-    }
-
-    fn ptr(&self) -> *mut c_void {
-        self.0 as *mut c_void
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        // SAFETY: created by `new`.
-        unsafe { result::stream::destroy(self.0) }.expect("cuStreamDestroy");
-    }
-}
-
-fn synchronize(stream: *mut c_void) {
-    // SAFETY: a live stream (or the legacy default stream, null).
-    unsafe { result::stream::synchronize(stream as sys::CUstream) }.expect("cuStreamSynchronize");
-}
 
 /// Device copies of a problem's operands and (NaN-poisoned) results.
 struct DeviceCall {
@@ -180,6 +85,8 @@ impl DeviceCall {
             final_state: self.rets[1].1.data() as *mut f32,
             workspace: std::ptr::null_mut(),
             workspace_bytes: 0,
+            checkpoint_len: 0,
+            checkpoints: std::ptr::null_mut(),
         }
     }
 }

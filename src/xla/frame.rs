@@ -117,6 +117,13 @@ impl<'a> Frame<'a> {
 
     /// The attribute called `name`, as (type, pointer), or an error naming it when absent.
     fn attr(&self, name: &str) -> Result<(XLA_FFI_AttrType, *mut c_void)> {
+        self.lookup(name).map_err(|names| {
+            Error::invalid(format!("attribute `{name}` is missing (the call has: [{}])", names.join(", ")))
+        })
+    }
+
+    /// The attribute called `name`, or the names of those the call has.
+    fn lookup(&self, name: &str) -> std::result::Result<(XLA_FFI_AttrType, *mut c_void), Vec<String>> {
         let attrs = &self.raw.attrs;
         let mut names = Vec::new();
         for i in 0..attrs.size.max(0) as usize {
@@ -131,7 +138,42 @@ impl<'a> Frame<'a> {
             }
             names.push(String::from_utf8_lossy(key).into_owned());
         }
-        Err(Error::invalid(format!("attribute `{name}` is missing (the call has: [{}])", names.join(", "))))
+        Err(names)
+    }
+
+    /// An optional attribute: `read` (e.g. [`Frame::attr_i64`]) when the call has it, else `None`.
+    pub fn attr_opt<T>(&self, name: &str, read: impl Fn(&Self, &str) -> Result<T>) -> Result<Option<T>> {
+        match self.lookup(name) {
+            Ok(_) => read(self, name).map(Some),
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// An integer attribute (a signed integer scalar of any width; `jax.ffi.ffi_call` makes Python
+    /// ints i64 and NumPy ones their own width).
+    pub fn attr_i64(&self, name: &str) -> Result<i64> {
+        let (ty, value) = self.attr(name)?;
+        if ty != XLA_FFI_ATTR_TYPE_SCALAR {
+            return Err(Error::invalid(format!(
+                "attribute `{name}`: expected an integer scalar, got {}",
+                attr_type_name(ty)
+            )));
+        }
+        // SAFETY: a scalar attribute points at an XLA_FFI_Scalar whose value has its dtype's size.
+        unsafe {
+            let scalar = &*(value as *const XLA_FFI_Scalar);
+            let v = scalar.value;
+            match scalar.dtype {
+                XLA_FFI_DATA_TYPE_S8 => Ok(*(v as *const i8) as i64),
+                XLA_FFI_DATA_TYPE_S16 => Ok((v as *const i16).read_unaligned() as i64),
+                XLA_FFI_DATA_TYPE_S32 => Ok((v as *const i32).read_unaligned() as i64),
+                XLA_FFI_DATA_TYPE_S64 => Ok((v as *const i64).read_unaligned()),
+                other => Err(Error::invalid(format!(
+                    "attribute `{name}`: expected an integer scalar, got a {} scalar",
+                    DType::from_xla(other).name()
+                ))),
+            }
+        }
     }
 
     /// A boolean attribute (an `i1`/PRED scalar, as `jax.ffi.ffi_call` encodes Python and NumPy bools).

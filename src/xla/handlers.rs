@@ -95,6 +95,28 @@ pub unsafe extern "C" fn xla_ssm_selective_scan_fwd_cuda(call_frame: *mut XLA_FF
     })
 }
 
+/// XLA FFI handler of `xla_ssm_selective_scan_bwd` for platform "cpu" (docs/selective_scan_bwd.md).
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_selective_scan_bwd_cpu(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, 0, |frame| selective_scan::bwd_from_frame(frame, Platform::Cpu))
+}
+
+/// XLA FFI handler of `xla_ssm_selective_scan_bwd` for platform "CUDA". Runs on XLA's stream, with
+/// the workspace result as its only scratch, and never synchronizes, so it is safe in CUDA graphs.
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_selective_scan_bwd_cuda(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, |frame| {
+        let stream = frame.stream()?;
+        selective_scan::bwd_from_frame(frame, Platform::Cuda { stream })
+    })
+}
+
 // ---- Decode-time targets (docs/decode.md). In-place operands are aliased to their results with
 // `input_output_aliases`; without the alias the handler copies the operand into the result first.
 use crate::ops::{conv1d, mamba_decode, state_update};

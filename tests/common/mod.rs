@@ -3,6 +3,8 @@
 //! and (in [`xla`]) a fake XLA runtime that builds real call frames.
 #![allow(dead_code)]
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod xla;
 
 use half::{bf16, f16};
@@ -774,4 +776,389 @@ pub fn check_outputs(p: &Problem, reference: &Reference, out: &[f32], state: &[f
     // The state never leaves f32, whatever the input dtypes.
     let e_state = assert_close("final_state", case, state, &reference.final_state, Tol::F32);
     (e_out, e_state)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The backward pass: an f64 reference written from docs/selective_scan_bwd.md (plain loops over
+// channels, a full state history), the forward's checkpoints, and problems with cotangents.
+
+/// Gradients in memory order, each shaped like its primal.
+#[derive(Clone, Debug)]
+pub struct Grads<E> {
+    pub du: Vec<E>,
+    pub ddelta: Vec<E>,
+    pub da: Vec<E>,
+    pub db: Vec<E>,
+    pub dc: Vec<E>,
+    pub dd: Option<Vec<E>>,
+    pub dz: Option<Vec<E>>,
+    pub ddelta_bias: Option<Vec<E>>,
+    pub dinitial_state: Option<Vec<E>>,
+}
+
+impl Grads<f32> {
+    /// Every gradient's bits, in result order (for determinism checks).
+    pub fn bits(&self) -> Vec<u32> {
+        let optional = [&self.dd, &self.dz, &self.ddelta_bias, &self.dinitial_state];
+        [&self.du, &self.ddelta, &self.da, &self.db, &self.dc]
+            .into_iter()
+            .chain(optional.into_iter().flatten())
+            .flat_map(|v| v.iter().map(|x| x.to_bits()))
+            .collect()
+    }
+}
+
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// One channel's forward in f64: dt per step, the states (`h[l]` enters step l, `h[seqlen]` is the
+/// final state) and y before the gate.
+struct ChannelForward {
+    dt: Vec<f64>,
+    h: Vec<Vec<f64>>,
+    y: Vec<f64>,
+}
+
+fn channel_forward(case: &Case, x: &RefInputs, b: usize, d: usize) -> ChannelForward {
+    let ns = case.dstate;
+    let mut h =
+        vec![(0..ns).map(|n| x.initial_state.map_or(0.0, |h0| h0[(b * case.dim + d) * ns + n] as f64)).collect()];
+    let (mut dts, mut ys) = (Vec::new(), Vec::new());
+    for l in 0..case.seqlen {
+        let xi = case.x_index(b, d, l);
+        let mut dt = x.delta[xi] as f64 + x.delta_bias.map_or(0.0, |v| v[d] as f64);
+        if case.softplus {
+            dt = softplus(dt);
+        }
+        let u = x.u[xi] as f64;
+        let prev: &Vec<f64> = h.last().unwrap();
+        let next: Vec<f64> = (0..ns)
+            .map(|n| (dt * x.a[d * ns + n] as f64).exp() * prev[n] + dt * x.b[case.bc_index(b, d, n, l)] as f64 * u)
+            .collect();
+        let y = (0..ns).map(|n| x.c[case.bc_index(b, d, n, l)] as f64 * next[n]).sum::<f64>()
+            + x.d.map_or(0.0, |v| v[d] as f64) * u;
+        dts.push(dt);
+        ys.push(y);
+        h.push(next);
+    }
+    ChannelForward { dt: dts, h, y: ys }
+}
+
+/// The states entering every `checkpoint_len`-th step, (batch, dim, n_checkpoints, dstate).
+pub fn reference_checkpoints(case: &Case, x: &RefInputs, checkpoint_len: usize) -> Vec<f64> {
+    let (ns, nck) = (case.dstate, case.seqlen.div_ceil(checkpoint_len));
+    let mut out = vec![0f64; case.batch * case.dim * nck * ns];
+    for b in 0..case.batch {
+        for d in 0..case.dim {
+            let f = channel_forward(case, x, b, d);
+            for k in 0..nck {
+                let at = ((b * case.dim + d) * nck + k) * ns;
+                out[at..at + ns].copy_from_slice(&f.h[k * checkpoint_len]);
+            }
+        }
+    }
+    out
+}
+
+/// The gradients of sum(dout * out) + sum(dfinal_state * final_state), by the backward recurrence.
+pub fn reference_bwd(case: &Case, x: &RefInputs, dout: &[f32], dfinal_state: Option<&[f32]>) -> Grads<f64> {
+    let (ns, dim) = (case.dstate, case.dim);
+    let mut g = Grads {
+        du: vec![0f64; case.x_len()],
+        ddelta: vec![0f64; case.x_len()],
+        da: vec![0f64; dim * ns],
+        db: vec![0f64; case.bc_len()],
+        dc: vec![0f64; case.bc_len()],
+        dd: x.d.map(|_| vec![0f64; dim]),
+        dz: x.z.map(|_| vec![0f64; case.x_len()]),
+        ddelta_bias: x.delta_bias.map(|_| vec![0f64; dim]),
+        dinitial_state: x.initial_state.map(|_| vec![0f64; case.state_len()]),
+    };
+    for b in 0..case.batch {
+        for d in 0..dim {
+            let f = channel_forward(case, x, b, d);
+            let state = (b * dim + d) * ns;
+            // gs[n]: a[l+1] g[l+1] while walking back (dfinal_state at the end).
+            let mut gs: Vec<f64> = (0..ns).map(|n| dfinal_state.map_or(0.0, |v| v[state + n] as f64)).collect();
+            for l in (0..case.seqlen).rev() {
+                let xi = case.x_index(b, d, l);
+                let (u, dt, dout) = (x.u[xi] as f64, f.dt[l], dout[xi] as f64);
+                let dy = match x.z {
+                    Some(z) => {
+                        let (zv, s) = (z[xi] as f64, sigmoid(z[xi] as f64));
+                        g.dz.as_mut().unwrap()[xi] = dout * f.y[l] * s * (1.0 + zv * (1.0 - s));
+                        dout * silu(zv)
+                    }
+                    None => dout,
+                };
+                let (mut du, mut ddt) = (0.0, 0.0);
+                for (n, gn) in gs.iter_mut().enumerate() {
+                    let bi = case.bc_index(b, d, n, l);
+                    let (a_n, bv, cv) = (x.a[d * ns + n] as f64, x.b[bi] as f64, x.c[bi] as f64);
+                    let decay = (dt * a_n).exp();
+                    let gl = *gn + cv * dy;
+                    g.dc[bi] += dy * f.h[l + 1][n];
+                    g.db[bi] += gl * dt * u;
+                    du += gl * dt * bv;
+                    ddt += gl * (bv * u + a_n * decay * f.h[l][n]);
+                    g.da[d * ns + n] += gl * decay * f.h[l][n] * dt;
+                    *gn = decay * gl;
+                }
+                g.du[xi] = du + x.d.map_or(0.0, |v| v[d] as f64) * dy;
+                let ddelta = if case.softplus {
+                    ddt * sigmoid(x.delta[xi] as f64 + x.delta_bias.map_or(0.0, |v| v[d] as f64))
+                } else {
+                    ddt
+                };
+                g.ddelta[xi] = ddelta;
+                if let Some(v) = g.dd.as_mut() {
+                    v[d] += dy * u;
+                }
+                if let Some(v) = g.ddelta_bias.as_mut() {
+                    v[d] += ddelta;
+                }
+            }
+            if let Some(v) = g.dinitial_state.as_mut() {
+                v[state..state + ns].copy_from_slice(&gs);
+            }
+        }
+    }
+    g
+}
+
+/// A forward [`Problem`] with the backward's extra inputs: cotangents and the checkpoint spacing.
+#[derive(Clone, Debug)]
+pub struct BwdProblem {
+    pub p: Problem,
+    pub checkpoint_len: usize,
+    pub dout: Vec<f32>,
+    pub dfinal_state: Option<Vec<f32>>,
+}
+
+impl BwdProblem {
+    /// `Problem::random(case)` plus dout ~ N(0, 1) (rounded to the dtype) and, when asked,
+    /// dfinal_state ~ N(0, 1).
+    pub fn random(case: &Case, checkpoint_len: usize, has_dfinal_state: bool) -> BwdProblem {
+        let p = Problem::random(case);
+        let mut rng = Rng::new(case.seed ^ 0xb4c4_3a2d);
+        let dout = (0..case.x_len()).map(|_| case.dtype.round(rng.normal() as f32)).collect();
+        let dfinal_state = has_dfinal_state.then(|| (0..case.state_len()).map(|_| rng.normal() as f32).collect());
+        BwdProblem { p, checkpoint_len, dout, dfinal_state }
+    }
+
+    pub fn case(&self) -> &Case {
+        &self.p.case
+    }
+
+    pub fn inputs(&self) -> RefInputs<'_> {
+        let p = &self.p;
+        RefInputs {
+            u: &p.u,
+            delta: &p.delta,
+            a: &p.a,
+            b: &p.b,
+            c: &p.c,
+            d: p.d.as_deref(),
+            z: p.z.as_deref(),
+            delta_bias: p.delta_bias.as_deref(),
+            initial_state: p.initial_state.as_deref(),
+        }
+    }
+
+    pub fn reference(&self) -> Grads<f64> {
+        reference_bwd(self.case(), &self.inputs(), &self.dout, self.dfinal_state.as_deref())
+    }
+
+    pub fn reference_checkpoints(&self) -> Vec<f64> {
+        reference_checkpoints(self.case(), &self.inputs(), self.checkpoint_len)
+    }
+
+    pub fn n_checkpoints(&self) -> usize {
+        self.case().seqlen.div_ceil(self.checkpoint_len)
+    }
+
+    pub fn checkpoint_dims(&self) -> Vec<i64> {
+        let c = self.case();
+        dims_i64(&[c.batch, c.dim, self.n_checkpoints(), c.dstate])
+    }
+
+    /// The forward's attributes, asking for checkpoints.
+    pub fn fwd_attrs(&self) -> Vec<(&'static str, Attr)> {
+        let mut attrs = attrs(self.case());
+        attrs.push(("checkpoint_len", Attr::Scalar(xla::S64, (self.checkpoint_len as i64).to_le_bytes().to_vec())));
+        attrs
+    }
+
+    pub fn bwd_attrs(&self) -> Vec<(&'static str, Attr)> {
+        let mut attrs = self.fwd_attrs();
+        attrs.push(("has_dfinal_state", Attr::Bool(self.dfinal_state.is_some())));
+        attrs
+    }
+
+    /// The forward's results with checkpoints (out, final_state, checkpoints), poisoned with NaN.
+    pub fn poisoned_fwd_results(&self) -> Vec<Operand> {
+        let mut rets = self.p.poisoned_results();
+        let len = self.checkpoint_dims().iter().product::<i64>() as usize;
+        rets.push(Operand {
+            name: "checkpoints",
+            dtype: xla::F32,
+            dims: self.checkpoint_dims(),
+            bytes: Dt::F32.nans(len),
+        });
+        rets
+    }
+
+    /// The backward's operands in call order, with these checkpoints.
+    pub fn bwd_operands(&self, checkpoints: &[f32]) -> Vec<Operand> {
+        let c = self.case();
+        let mut ops = self.p.operands();
+        ops.push(Operand {
+            name: "checkpoints",
+            dtype: xla::F32,
+            dims: self.checkpoint_dims(),
+            bytes: Dt::F32.encode(checkpoints),
+        });
+        ops.push(Operand {
+            name: "dout",
+            dtype: c.dtype.xla(),
+            dims: dims_i64(&c.x_dims()),
+            bytes: c.dtype.encode(&self.dout),
+        });
+        if let Some(v) = &self.dfinal_state {
+            ops.push(Operand {
+                name: "dfinal_state",
+                dtype: xla::F32,
+                dims: dims_i64(&c.state_dims()),
+                bytes: Dt::F32.encode(v),
+            });
+        }
+        ops
+    }
+
+    /// The backward's results in call order (each gradient like its primal), poisoned with NaN.
+    pub fn poisoned_grads(&self) -> Vec<Operand> {
+        self.p
+            .operands()
+            .into_iter()
+            .filter(|o| o.name != "initial_state" || self.p.initial_state.is_some())
+            .map(|o| {
+                let name = GRAD_NAMES.iter().find(|(primal, _)| *primal == o.name).unwrap().1;
+                let dt = [Dt::F32, Dt::BF16, Dt::F16].into_iter().find(|d| d.xla() == o.dtype).unwrap();
+                let len = o.dims.iter().product::<i64>() as usize;
+                Operand { name, dtype: o.dtype, dims: o.dims, bytes: dt.nans(len) }
+            })
+            .collect()
+    }
+
+    /// Gradients from the backward's result bytes (in [`Self::poisoned_grads`] order), as f32.
+    pub fn decode_grads(&self, rets: &[(&str, i32, &[u8])]) -> Grads<f32> {
+        let get = |name: &str| {
+            rets.iter().find(|(n, _, _)| *n == name).map(|(_, dtype, bytes)| {
+                let dt = [Dt::F32, Dt::BF16, Dt::F16].into_iter().find(|d| d.xla() == *dtype).unwrap();
+                dt.decode(bytes)
+            })
+        };
+        Grads {
+            du: get("du").unwrap(),
+            ddelta: get("ddelta").unwrap(),
+            da: get("dA").unwrap(),
+            db: get("dB").unwrap(),
+            dc: get("dC").unwrap(),
+            dd: get("dD"),
+            dz: get("dz"),
+            ddelta_bias: get("ddelta_bias"),
+            dinitial_state: get("dinitial_state"),
+        }
+    }
+
+    /// The forward through the CPU handler with checkpoints: (out, final_state, checkpoints).
+    pub fn run_fwd_cpu(&self) -> Result<FwdOutputs, (i32, String)> {
+        let mut call = HostCall { args: own(self.p.operands()), rets: own(self.poisoned_fwd_results()) };
+        let (args, rets) = (call.arg_bufs(), call.ret_bufs());
+        let mut frame = xla::Frame::new(&args, &rets, &self.fwd_attrs(), std::ptr::null_mut());
+        xla::call(xla_ssm::xla::handlers::xla_ssm_selective_scan_fwd_cpu, &mut frame)?;
+        let (out, state) = call.outputs(self.case());
+        Ok((out, state, Dt::F32.decode(call.rets[2].1.bytes())))
+    }
+
+    /// The backward through the CPU handler, with these checkpoints.
+    pub fn run_bwd_cpu(&self, checkpoints: &[f32]) -> Result<Grads<f32>, (i32, String)> {
+        let mut call = HostCall { args: own(self.bwd_operands(checkpoints)), rets: own(self.poisoned_grads()) };
+        let (args, rets) = (call.arg_bufs(), call.ret_bufs());
+        let mut frame = xla::Frame::new(&args, &rets, &self.bwd_attrs(), std::ptr::null_mut());
+        xla::call(xla_ssm::xla::handlers::xla_ssm_selective_scan_bwd_cpu, &mut frame)?;
+        let rets: Vec<(&str, i32, &[u8])> = call.rets.iter().map(|(o, h)| (o.name, o.dtype, h.bytes())).collect();
+        Ok(self.decode_grads(&rets))
+    }
+
+    /// Forward (for the checkpoints), then backward, both through the CPU handlers.
+    pub fn run_cpu(&self) -> Result<Grads<f32>, (i32, String)> {
+        let (_, _, checkpoints) = self.run_fwd_cpu()?;
+        self.run_bwd_cpu(&checkpoints)
+    }
+}
+
+/// The forward's results with checkpoints: (out, final_state, checkpoints).
+pub type FwdOutputs = (Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// (primal, gradient) result names, in result order.
+pub const GRAD_NAMES: [(&str, &str); 9] = [
+    ("u", "du"),
+    ("delta", "ddelta"),
+    ("A", "dA"),
+    ("B", "dB"),
+    ("C", "dC"),
+    ("D", "dD"),
+    ("z", "dz"),
+    ("delta_bias", "ddelta_bias"),
+    ("initial_state", "dinitial_state"),
+];
+
+fn own(ops: Vec<Operand>) -> Vec<(Operand, HostBuf)> {
+    ops.into_iter()
+        .map(|o| {
+            let buf = HostBuf::from_bytes(&o.bytes);
+            (o, buf)
+        })
+        .collect()
+}
+
+/// Tolerance of a gradient against the f64 reference: its dtype's rounding, plus what f32 sums of
+/// many terms of both signs lose (dA, dB, dC, dD and ddelta_bias sum over batch and time).
+pub fn grad_tol(dtype: Dt) -> Tol {
+    match dtype {
+        Dt::F32 => Tol { rel_l2: 1e-4, rel_max: 2e-4 },
+        other => other.tol(),
+    }
+}
+
+/// Asserts every gradient of `got` is within its dtype's tolerance of `want`; returns the worst
+/// errors (for a summary).
+pub fn check_grads(bp: &BwdProblem, want: &Grads<f64>, got: &Grads<f32>) -> Errors {
+    let c = bp.case();
+    let mut worst = Errors { rel_l2: 0.0, rel_max: 0.0 };
+    let mut check = |name: &str, got: &[f32], want: &[f64], dtype: Dt| {
+        let e = assert_close(name, c, got, want, grad_tol(dtype));
+        worst = Errors { rel_l2: worst.rel_l2.max(e.rel_l2), rel_max: worst.rel_max.max(e.rel_max) };
+    };
+    check("du", &got.du, &want.du, c.dtype);
+    check("ddelta", &got.ddelta, &want.ddelta, c.dtype);
+    check("dA", &got.da, &want.da, Dt::F32);
+    check("dB", &got.db, &want.db, c.bc_dtype);
+    check("dC", &got.dc, &want.dc, c.bc_dtype);
+    let pairs = [
+        ("dD", &got.dd, &want.dd, Dt::F32),
+        ("dz", &got.dz, &want.dz, c.dtype),
+        ("ddelta_bias", &got.ddelta_bias, &want.ddelta_bias, Dt::F32),
+        ("dinitial_state", &got.dinitial_state, &want.dinitial_state, Dt::F32),
+    ];
+    for (name, got, want, dtype) in pairs {
+        match (got, want) {
+            (Some(g), Some(w)) => check(name, g, w, dtype),
+            (None, None) => {}
+            _ => panic!("{name}: present in one of result and reference only; case {c:?}"),
+        }
+    }
+    worst
 }

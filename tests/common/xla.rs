@@ -13,6 +13,7 @@ use std::ffi::{c_char, c_void, CStr, CString};
 pub const PRED: i32 = 1;
 pub const U8: i32 = 6;
 pub const S32: i32 = 4;
+pub const S64: i32 = 5;
 pub const F16: i32 = 10;
 pub const F32: i32 = 11;
 pub const F64: i32 = 12;

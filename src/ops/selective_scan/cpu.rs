@@ -32,7 +32,7 @@
 //!
 //! All arithmetic is f32; `out` is rounded to its dtype once, at the end.
 
-use super::{Fwd, FwdParams};
+use super::{n_checkpoints, Fwd, FwdParams};
 use crate::DType;
 use half::{bf16, f16};
 use std::cell::RefCell;
@@ -60,22 +60,22 @@ const PREFETCH_BYTES: usize = 8 << 20;
 
 /// Below this many updates one thread is faster than starting others (a thread start costs tens of
 /// microseconds; one core does several updates per nanosecond).
-const PARALLEL_WORK: usize = 1 << 19;
+pub(super) const PARALLEL_WORK: usize = 1 << 19;
 
 // ------------------------------------------------------------------------------------ lanes
 
 /// `W` f32 lanes, operated on element-wise.
 #[derive(Clone, Copy, Debug)]
-struct V<const W: usize>([f32; W]);
+pub(super) struct V<const W: usize>(pub(super) [f32; W]);
 
 impl<const W: usize> V<W> {
     #[inline(always)]
-    fn splat(x: f32) -> V<W> {
+    pub(super) fn splat(x: f32) -> V<W> {
         V([x; W])
     }
 
     #[inline(always)]
-    fn map(self, f: impl Fn(f32) -> f32) -> V<W> {
+    pub(super) fn map(self, f: impl Fn(f32) -> f32) -> V<W> {
         let mut r = self.0;
         for x in r.iter_mut() {
             *x = f(*x);
@@ -84,7 +84,7 @@ impl<const W: usize> V<W> {
     }
 
     #[inline(always)]
-    fn zip(self, o: V<W>, f: impl Fn(f32, f32) -> f32) -> V<W> {
+    pub(super) fn zip(self, o: V<W>, f: impl Fn(f32, f32) -> f32) -> V<W> {
         let mut r = self.0;
         for (x, y) in r.iter_mut().zip(o.0) {
             *x = f(*x, y);
@@ -94,7 +94,7 @@ impl<const W: usize> V<W> {
 
     /// `self * b + c`, fused where the ISA has FMA.
     #[inline(always)]
-    fn mul_add<const FMA: bool>(self, b: V<W>, c: V<W>) -> V<W> {
+    pub(super) fn mul_add<const FMA: bool>(self, b: V<W>, c: V<W>) -> V<W> {
         let mut r = self.0;
         for ((x, b), c) in r.iter_mut().zip(b.0).zip(c.0) {
             *x = fmadd::<FMA>(*x, b, c);
@@ -143,7 +143,7 @@ const EXP_MAX: f32 = 88.3;
 /// x = k ln2 + r with integer k and |r| <= ln2/2 (Cody-Waite: ln2 split in two so that k * LN2_HI is
 /// exact); e^r by a minimax polynomial; 2^k added into the exponent bits.
 #[inline(always)]
-fn exp<const W: usize, const FMA: bool>(x: V<W>) -> V<W> {
+pub(super) fn exp<const W: usize, const FMA: bool>(x: V<W>) -> V<W> {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     // ln2 = LN2_HI + LN2_LO, LN2_HI = 0.693359375 with 9 significant bits.
     const LN2_HI: f32 = 0.693_359_4;
@@ -183,7 +183,7 @@ const EXP2_MAX: f32 = 127.0;
 /// relative error of 6e-8 on the exponent, which over the steps a decay is felt for (about
 /// 1 / |dt A|) adds up to 6e-8, not to a bias that grows with the sequence.
 #[inline(always)]
-fn exp2<const W: usize, const FMA: bool>(x: V<W>) -> V<W> {
+pub(super) fn exp2<const W: usize, const FMA: bool>(x: V<W>) -> V<W> {
     const SHIFT: f32 = 12_582_912.0; // as in `exp`
     let x = x.map(|x| if x > EXP2_MAX { EXP2_MAX } else { x });
     let x = x.map(|x| if x < EXP2_MIN { EXP2_MIN } else { x });
@@ -229,7 +229,7 @@ fn exp1<const FMA: bool>(x: f32) -> f32 {
 /// max(x, 0) + log1p(exp(-|x|)): the same function, with the log1p argument in [0, 1] where a
 /// polynomial does (no division, no frexp).
 #[inline(always)]
-fn softplus<const FMA: bool>(x: f32) -> f32 {
+pub(super) fn softplus<const FMA: bool>(x: f32) -> f32 {
     let sp = x.max(0.0) + log1p_01::<FMA>(exp1::<FMA>(-x.abs()));
     if x > 20.0 {
         x
@@ -248,7 +248,7 @@ fn silu<const FMA: bool>(x: f32) -> f32 {
 
 /// Conversion of an element to and from f32. Local rather than `crate::dtype::Element` because the
 /// bf16 conversions here are branch-free bit operations that vectorize.
-trait Io: Copy + Default + Send + Sync + 'static {
+pub(super) trait Io: Copy + Default + Send + Sync + 'static {
     fn load(self) -> f32;
     fn store(x: f32) -> Self;
 }
@@ -294,24 +294,24 @@ impl Io for f16 {
 
 /// Sizes and element strides (`FwdParams` without its pointers).
 #[derive(Clone, Copy)]
-struct Geom {
-    batch: usize,
-    dim: usize,
-    seqlen: usize,
-    dstate: usize,
-    dim_per_group: usize,
-    x_stride_batch: usize,
-    x_stride_dim: usize,
-    x_stride_seq: usize,
-    bc_stride_batch: usize,
-    bc_stride_group: usize,
-    bc_stride_state: usize,
-    bc_stride_seq: usize,
-    delta_softplus: bool,
+pub(super) struct Geom {
+    pub(super) batch: usize,
+    pub(super) dim: usize,
+    pub(super) seqlen: usize,
+    pub(super) dstate: usize,
+    pub(super) dim_per_group: usize,
+    pub(super) x_stride_batch: usize,
+    pub(super) x_stride_dim: usize,
+    pub(super) x_stride_seq: usize,
+    pub(super) bc_stride_batch: usize,
+    pub(super) bc_stride_group: usize,
+    pub(super) bc_stride_state: usize,
+    pub(super) bc_stride_seq: usize,
+    pub(super) delta_softplus: bool,
 }
 
 impl Geom {
-    fn new(p: &FwdParams) -> Geom {
+    pub(super) fn new(p: &FwdParams) -> Geom {
         // Validation made every size and stride non-negative.
         let u = |x: i64| x as usize;
         Geom {
@@ -333,13 +333,13 @@ impl Geom {
 
     /// Index of x[b, d, l] (u, delta, z, out).
     #[inline(always)]
-    fn x(&self, b: usize, d: usize, l: usize) -> usize {
+    pub(super) fn x(&self, b: usize, d: usize, l: usize) -> usize {
         b * self.x_stride_batch + d * self.x_stride_dim + l * self.x_stride_seq
     }
 
     /// Index of B[b, group of channel d, s, l] (C alike).
     #[inline(always)]
-    fn bc(&self, b: usize, d: usize, s: usize, l: usize) -> usize {
+    pub(super) fn bc(&self, b: usize, d: usize, s: usize, l: usize) -> usize {
         b * self.bc_stride_batch
             + (d / self.dim_per_group) * self.bc_stride_group
             + s * self.bc_stride_state
@@ -362,13 +362,15 @@ struct Ctx<'a, T, TB> {
     h0: Option<&'a [f32]>,
     out: Out<T>,
     final_state: Out<f32>,
+    /// (batch, dim, n_checkpoints, dstate), when the host asks for checkpoints.
+    checkpoints: Option<Out<f32>>,
 }
 
 /// An output array shared by the worker threads.
 #[derive(Clone, Copy)]
-struct Out<E> {
-    ptr: *mut E,
-    len: usize,
+pub(super) struct Out<E> {
+    pub(super) ptr: *mut E,
+    pub(super) len: usize,
 }
 
 // SAFETY: workers write disjoint indices (each owns whole channels) and nobody reads.
@@ -382,7 +384,7 @@ impl<E> Out<E> {
     /// No other thread accesses them while the slice lives.
     #[inline(always)]
     #[allow(clippy::mut_from_ref)]
-    unsafe fn rows(&self, start: usize, len: usize) -> &mut [E] {
+    pub(super) unsafe fn rows(&self, start: usize, len: usize) -> &mut [E] {
         assert!(start <= self.len && len <= self.len - start);
         std::slice::from_raw_parts_mut(self.ptr.add(start), len)
     }
@@ -390,7 +392,7 @@ impl<E> Out<E> {
 
 /// # Safety
 /// `p` addresses `len` initialized elements that nothing writes while the slice lives (or `len` is 0).
-unsafe fn input<'a, E>(p: *const c_void, len: usize) -> &'a [E] {
+pub(super) unsafe fn input<'a, E>(p: *const c_void, len: usize) -> &'a [E] {
     if len == 0 {
         &[]
     } else {
@@ -400,7 +402,7 @@ unsafe fn input<'a, E>(p: *const c_void, len: usize) -> &'a [E] {
 
 /// # Safety
 /// As [`input`], when `p` is not null.
-unsafe fn optional<'a, E>(p: *const c_void, len: usize) -> Option<&'a [E]> {
+pub(super) unsafe fn optional<'a, E>(p: *const c_void, len: usize) -> Option<&'a [E]> {
     (!p.is_null()).then(|| input(p, len))
 }
 
@@ -424,6 +426,8 @@ struct Plan {
     dstate: usize,
     seqlen: usize,
     chunk: usize,
+    /// Steps between checkpoints (0: none); chunks never cross a checkpoint.
+    checkpoint_len: usize,
     /// Blocks per segment: the unit of work a thread takes (consecutive blocks of one span, which
     /// share each chunk's B/C staging).
     segment: usize,
@@ -432,7 +436,7 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(p: &Geom, time_varying: bool, w: usize) -> Plan {
+    fn new(p: &Geom, time_varying: bool, w: usize, checkpoint_len: usize) -> Plan {
         let (dim, dstate) = (p.dim, p.dstate);
         let shared = time_varying && p.dim_per_group >= w;
         let span = if shared { p.dim_per_group } else { dim };
@@ -451,6 +455,7 @@ impl Plan {
             dstate,
             seqlen: p.seqlen,
             chunk,
+            checkpoint_len,
             segment: 0,
             segments_per_span: 0,
             segments: 0,
@@ -473,6 +478,15 @@ impl Plan {
         }
         let segment = self.segment.min(self.blocks.div_ceil(4 * threads));
         self.with_segments(segment)
+    }
+
+    /// Steps of the chunk that starts at step `l0`: at most `chunk`, up to the next checkpoint.
+    fn chunk_steps(&self, l0: usize) -> usize {
+        let steps = self.chunk.min(self.seqlen - l0);
+        match self.checkpoint_len {
+            0 => steps,
+            len => steps.min(len - l0 % len),
+        }
     }
 
     /// The blocks of segment `i` (consecutive, of one (batch, span)).
@@ -522,7 +536,7 @@ impl Plan {
 // ------------------------------------------------------------------------------------ entry
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Isa {
+pub(super) enum Isa {
     #[cfg(target_arch = "x86_64")]
     Avx512,
     #[cfg(target_arch = "x86_64")]
@@ -532,7 +546,7 @@ enum Isa {
 
 impl Isa {
     /// The best the CPU has. `XLA_SSM_CPU_ISA=avx2|portable` asks for less (to compare them).
-    fn detect() -> Isa {
+    pub(super) fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
             let cap = std::env::var("XLA_SSM_CPU_ISA").unwrap_or_default();
@@ -549,7 +563,7 @@ impl Isa {
         Isa::Portable
     }
 
-    fn lanes(self) -> usize {
+    pub(super) fn lanes(self) -> usize {
         match self {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => 16,
@@ -560,17 +574,46 @@ impl Isa {
     }
 }
 
+/// Runs `$body` with `$t` and `$tb` bound to the element types of u (`$dtype`) and of B/C
+/// (`$bc_dtype`): the pairs validation allows (f32 B/C, or B/C of u's type), and no others, so that
+/// only those are compiled.
+macro_rules! with_io_types {
+    ($dtype:expr, $bc_dtype:expr, $t:ident, $tb:ident => $body:expr) => {
+        match ($dtype, $bc_dtype) {
+            (DType::F32, _) => {
+                type $t = f32;
+                type $tb = f32;
+                $body
+            }
+            (DType::BF16, DType::F32) => {
+                type $t = half::bf16;
+                type $tb = f32;
+                $body
+            }
+            (DType::BF16, _) => {
+                type $t = half::bf16;
+                type $tb = half::bf16;
+                $body
+            }
+            (DType::F16, DType::F32) => {
+                type $t = half::f16;
+                type $tb = f32;
+                $body
+            }
+            (DType::F16, _) => {
+                type $t = half::f16;
+                type $tb = half::f16;
+                $body
+            }
+            // Validation rejects every other dtype first; a panic becomes an INTERNAL error.
+            (other, _) => panic!("unsupported dtype {}", other.name()),
+        }
+    };
+}
+pub(super) use with_io_types;
+
 pub(super) fn fwd(fwd: &Fwd) {
-    let tv = fwd.bc_time_varying;
-    match (fwd.dtype, fwd.bc_dtype) {
-        (DType::F32, _) => run::<f32, f32>(&fwd.params, tv),
-        (DType::BF16, DType::F32) => run::<bf16, f32>(&fwd.params, tv),
-        (DType::BF16, _) => run::<bf16, bf16>(&fwd.params, tv),
-        (DType::F16, DType::F32) => run::<f16, f32>(&fwd.params, tv),
-        (DType::F16, _) => run::<f16, f16>(&fwd.params, tv),
-        // Validation rejects every other dtype first; a panic becomes an INTERNAL error.
-        (other, _) => panic!("selective_scan_fwd: unsupported dtype {}", other.name()),
-    }
+    with_io_types!(fwd.dtype, fwd.bc_dtype, T, TB => run::<T, TB>(&fwd.params, fwd.bc_time_varying))
 }
 
 thread_local! {
@@ -587,6 +630,7 @@ fn run<T: Io, TB: Io>(p: &FwdParams, time_varying: bool) {
     let x_len = batch * dim * seqlen;
     let bc_len = if time_varying { batch * (dim / geom.dim_per_group) * dstate * seqlen } else { dim * dstate };
     let state_len = batch * dim * dstate;
+    let checkpoints_len = state_len * n_checkpoints(p.seqlen, p.checkpoint_len) as usize;
     // SAFETY: `validate_fwd` checked every operand's shape and non-nullness against these sizes;
     // inputs are not written during the call (XLA does not alias them to the results, and the C API
     // takes them as const).
@@ -604,11 +648,12 @@ fn run<T: Io, TB: Io>(p: &FwdParams, time_varying: bool) {
             h0: optional(p.initial_state as *const c_void, state_len),
             out: Out { ptr: p.out as *mut T, len: x_len },
             final_state: Out { ptr: p.final_state, len: state_len },
+            checkpoints: (!p.checkpoints.is_null()).then_some(Out { ptr: p.checkpoints, len: checkpoints_len }),
         }
     };
 
     let isa = Isa::detect();
-    let plan = Plan::new(&geom, time_varying, isa.lanes());
+    let plan = Plan::new(&geom, time_varying, isa.lanes(), p.checkpoint_len as usize);
     let work = batch * dim * seqlen.max(1) * dstate.max(1);
     let threads = if work < PARALLEL_WORK {
         1
@@ -618,8 +663,16 @@ fn run<T: Io, TB: Io>(p: &FwdParams, time_varying: bool) {
     let plan = plan.schedule(threads);
     // Threads take segments in order from this counter until none is left.
     let next = AtomicUsize::new(0);
-    // 64-byte-aligned pieces of one allocation; 16 spare floats to align the first.
-    let per_thread = plan.scratch_floats().next_multiple_of(16);
+    let (ctx, plan, next) = (&ctx, &plan, &next);
+    in_parallel(threads, plan.scratch_floats(), |scratch| worker(isa, ctx, plan, next, scratch));
+}
+
+/// Runs `work` on `threads` threads, the calling one included, each with its own 64-byte-aligned
+/// scratch of `floats` floats (contents undefined). Scratch is one allocation kept by the calling
+/// thread and reused by later calls.
+pub(super) fn in_parallel(threads: usize, floats: usize, work: impl Fn(&mut [f32]) + Sync) {
+    // 16 spare floats to align the first piece.
+    let per_thread = floats.next_multiple_of(16).max(16);
     let needed = per_thread * threads + 16;
     let mut own = Vec::new();
     SCRATCH.with(|cell| {
@@ -635,16 +688,16 @@ fn run<T: Io, TB: Io>(p: &FwdParams, time_varying: bool) {
         }
         let skip = buf.as_ptr().align_offset(64).min(16);
         let mut pieces = buf[skip..].chunks_exact_mut(per_thread);
-        let (ctx, plan, next) = (&ctx, &plan, &next);
+        let work = &work;
         std::thread::scope(|scope| {
             let mine = pieces.next().expect("scratch for the calling thread");
             for _ in 1..threads {
                 let piece = pieces.next().expect("scratch per worker");
-                scope.spawn(move || worker(isa, ctx, plan, next, piece));
+                scope.spawn(move || work(piece));
             }
             // The calling thread works too, from the start (the others take tens of microseconds
             // to start).
-            worker(isa, ctx, plan, next, mine);
+            work(mine);
         });
     });
 }
@@ -675,14 +728,14 @@ fn worker_avx2<T: Io, TB: Io>(ctx: &Ctx<T, TB>, plan: &Plan, next: &AtomicUsize,
 // ------------------------------------------------------------------------------------ worker
 
 /// Takes the next `len` floats of `buf`.
-fn take<'a>(buf: &mut &'a mut [f32], len: usize) -> &'a mut [f32] {
+pub(super) fn take<'a>(buf: &mut &'a mut [f32], len: usize) -> &'a mut [f32] {
     let (head, tail) = std::mem::take(buf).split_at_mut(len);
     *buf = tail;
     head
 }
 
 /// The same, as `len` lane vectors.
-fn take_lanes<'a, const W: usize>(buf: &mut &'a mut [f32], len: usize) -> &'a mut [[f32; W]] {
+pub(super) fn take_lanes<'a, const W: usize>(buf: &mut &'a mut [f32], len: usize) -> &'a mut [[f32; W]] {
     take(buf, len * W).as_chunks_mut::<W>().0
 }
 
@@ -726,8 +779,9 @@ fn segments<T: Io, TB: Io, const W: usize, const FMA: bool>(
             }
         }
 
-        for l0 in (0..plan.seqlen).step_by(plan.chunk) {
-            let steps = plan.chunk.min(plan.seqlen - l0);
+        let mut l0 = 0;
+        while l0 < plan.seqlen {
+            let steps = plan.chunk_steps(l0);
             if plan.shared {
                 stage_shared_bc(ctx.b, p, b, g, l0, steps, bs);
                 stage_shared_bc(ctx.c, p, b, g, l0, steps, cs);
@@ -736,15 +790,20 @@ fn segments<T: Io, TB: Io, const W: usize, const FMA: bool>(
                 let (_, _, first, width) = plan.block(i);
                 // The next block's chunk (or the first block's next chunk) arrives while this one
                 // computes.
-                let (next, next_l0) = if i + 1 < end { (i + 1, l0) } else { (start, l0 + plan.chunk) };
+                let (next, next_l0) = if i + 1 < end { (i + 1, l0) } else { (start, l0 + steps) };
                 if prefetching && next_l0 < plan.seqlen {
                     let (_, _, next_first, next_width) = plan.block(next);
-                    let next_steps = plan.chunk.min(plan.seqlen - next_l0);
+                    let next_steps = plan.chunk_steps(next_l0);
                     for x in [Some(ctx.delta), Some(ctx.u), ctx.z].into_iter().flatten() {
                         prefetch_x(x, p, b, next_first, next_width, next_l0, next_steps);
                     }
                 }
                 let h = &mut seg_states[k * n..(k + 1) * n];
+                if let Some(checkpoints) = &ctx.checkpoints {
+                    if l0 % plan.checkpoint_len == 0 {
+                        write_checkpoint(checkpoints, p, plan, b, first, width, l0 / plan.checkpoint_len, h);
+                    }
+                }
                 let (dt, dtu, y) = (&mut dt[..steps], &mut dtu[..steps], &mut y[..steps]);
                 for (s, av) in a.iter_mut().enumerate() {
                     *av = build(|j| ctx.a[(first + lane(j, width)) * n + s] * std::f32::consts::LOG2_E);
@@ -762,6 +821,7 @@ fn segments<T: Io, TB: Io, const W: usize, const FMA: bool>(
                 scan_states::<W, FMA>(h, a, dt, dtu, y, bc);
                 write_out::<T, TB, W, FMA>(ctx, b, first, width, l0, dt, y);
             }
+            l0 += steps;
         }
 
         for (k, i) in (start..end).enumerate() {
@@ -772,6 +832,29 @@ fn segments<T: Io, TB: Io, const W: usize, const FMA: bool>(
                     unsafe { ctx.final_state.rows((b * p.dim + first + lane) * n + s, 1)[0] = v };
                 }
             }
+        }
+    }
+}
+
+/// Checkpoint `k` of channels first..first + width of batch b: their states `h`, [state][lane].
+#[allow(clippy::too_many_arguments)]
+fn write_checkpoint<const W: usize>(
+    checkpoints: &Out<f32>,
+    p: &Geom,
+    plan: &Plan,
+    b: usize,
+    first: usize,
+    width: usize,
+    k: usize,
+    h: &[[f32; W]],
+) {
+    let n = p.dstate;
+    let n_checkpoints = plan.seqlen.div_ceil(plan.checkpoint_len);
+    for lane in 0..width {
+        // SAFETY: this thread owns channels first..first + width of batch b.
+        let row = unsafe { checkpoints.rows(((b * p.dim + first + lane) * n_checkpoints + k) * n, n) };
+        for (o, hs) in row.iter_mut().zip(h) {
+            *o = hs[lane];
         }
     }
 }
@@ -818,7 +901,7 @@ fn prefetch<T>(s: &[T]) {
 /// channel (see [`lane`]). Reads in address order for either layout; channel-first data goes through
 /// registers TILE steps at a time, so that LLVM transposes it with shuffles.
 #[inline(always)]
-fn transpose_in<T: Io, const W: usize>(
+pub(super) fn transpose_in<T: Io, const W: usize>(
     x: &[T],
     p: &Geom,
     b: usize,
@@ -874,7 +957,7 @@ fn transpose<const R: usize, const C: usize>(src: &[[f32; C]; R], dst: &mut [[f3
 
 /// `std::array::from_fn`, which LLVM does not always inline (the hot transposes need it inlined).
 #[inline(always)]
-fn build<E: Copy + Default, const N: usize>(mut f: impl FnMut(usize) -> E) -> [E; N] {
+pub(super) fn build<E: Copy + Default, const N: usize>(mut f: impl FnMut(usize) -> E) -> [E; N] {
     let mut r = [E::default(); N];
     for (i, e) in r.iter_mut().enumerate() {
         *e = f(i);
@@ -885,7 +968,7 @@ fn build<E: Copy + Default, const N: usize>(mut f: impl FnMut(usize) -> E) -> [E
 /// The channel that lane `i` of a block of `width` channels computes: lanes past the last channel
 /// repeat it, so that they compute finite, unused values rather than need masking.
 #[inline(always)]
-fn lane(i: usize, width: usize) -> usize {
+pub(super) fn lane(i: usize, width: usize) -> usize {
     i.min(width - 1)
 }
 
@@ -920,7 +1003,15 @@ fn stage_inputs<T: Io, TB: Io, const W: usize, const FMA: bool>(
 
 /// B (or C) of (b, group g) for steps l0.., as f32 [step][state]. Reads in address order.
 #[inline(always)]
-fn stage_shared_bc<TB: Io>(src: &[TB], p: &Geom, b: usize, g: usize, l0: usize, steps: usize, dst: &mut [f32]) {
+pub(super) fn stage_shared_bc<TB: Io>(
+    src: &[TB],
+    p: &Geom,
+    b: usize,
+    g: usize,
+    l0: usize,
+    steps: usize,
+    dst: &mut [f32],
+) {
     let (n, d) = (p.dstate, g * p.dim_per_group); // d: any channel of the group
     if n == 0 {
         return;
@@ -959,7 +1050,7 @@ fn stage_shared_bc<TB: Io>(src: &[TB], p: &Geom, b: usize, g: usize, l0: usize, 
 /// B (or C) per lane, dst[step * dstate + s] for steps l0.. (one step when B/C are time-invariant:
 /// their strides over time are 0).
 #[inline(always)]
-fn stage_lane_bc<TB: Io, const W: usize>(
+pub(super) fn stage_lane_bc<TB: Io, const W: usize>(
     src: &[TB],
     p: &Geom,
     b: usize,
@@ -978,7 +1069,7 @@ fn stage_lane_bc<TB: Io, const W: usize>(
 /// B and C of a chunk: shared by the lanes ([step][state] scalars), or per lane
 /// (`row` vectors per step: dstate, or 0 when time-invariant).
 #[derive(Clone, Copy)]
-enum Bc<'a, const W: usize> {
+pub(super) enum Bc<'a, const W: usize> {
     Shared { b: &'a [f32], c: &'a [f32] },
     Lanes { b: &'a [[f32; W]], c: &'a [[f32; W]], row: usize },
 }
@@ -986,7 +1077,7 @@ enum Bc<'a, const W: usize> {
 /// The scan of one block over one chunk, states taken in groups whose size is a compile-time
 /// constant (16, 8, 4, 1), so that each group's states and the accumulator of y stay in registers.
 #[inline(always)]
-fn scan_states<const W: usize, const FMA: bool>(
+pub(super) fn scan_states<const W: usize, const FMA: bool>(
     h: &mut [[f32; W]],
     a: &[[f32; W]],
     dt: &[[f32; W]],
@@ -1097,10 +1188,24 @@ fn write_out<T: Io, TB: Io, const W: usize, const FMA: bool>(
             *y = (V(*y) * V(*z).map(silu::<FMA>)).0;
         }
     }
-    // SAFETY (every `rows` below): this thread owns channels first..first + width of batch b.
+    write_x(&ctx.out, p, b, first, width, l0, y);
+}
+
+/// Writes src[step] (lanes 0..width) to x[b, first + lane, l0 + step], rounded to T, in the
+/// operand's layout: the reverse of [`transpose_in`].
+pub(super) fn write_x<T: Io, const W: usize>(
+    out: &Out<T>,
+    p: &Geom,
+    b: usize,
+    first: usize,
+    width: usize,
+    l0: usize,
+    y: &[[f32; W]],
+) {
+    // SAFETY (every `rows` below): the caller's thread owns channels first..first + width of batch b.
     if p.x_stride_seq != 1 {
         for (step, v) in y.iter().enumerate() {
-            let out = unsafe { ctx.out.rows(p.x(b, first, l0 + step), width) };
+            let out = unsafe { out.rows(p.x(b, first, l0 + step), width) };
             for (o, &e) in out.iter_mut().zip(v) {
                 *o = T::store(e);
             }
@@ -1115,7 +1220,7 @@ fn write_out<T: Io, TB: Io, const W: usize, const FMA: bool>(
             let mut tile = [[0f32; TILE]; TILE];
             transpose(&piece, &mut tile);
             for (i, row) in tile[..TILE.min(width - half)].iter().enumerate() {
-                let out = unsafe { ctx.out.rows(p.x(b, first + half + i, l0 + t * TILE), TILE) };
+                let out = unsafe { out.rows(p.x(b, first + half + i, l0 + t * TILE), TILE) };
                 let out: &mut [T; TILE] = out.try_into().unwrap();
                 *out = build(|k| T::store(row[k]));
             }
@@ -1124,7 +1229,7 @@ fn write_out<T: Io, TB: Io, const W: usize, const FMA: bool>(
     let done = y.len() - tiles.remainder().len();
     for (k, v) in y[done..].iter().enumerate() {
         for (i, &e) in v[..width].iter().enumerate() {
-            unsafe { ctx.out.rows(p.x(b, first + i, l0 + done + k), 1)[0] = T::store(e) };
+            unsafe { out.rows(p.x(b, first + i, l0 + done + k), 1)[0] = T::store(e) };
         }
     }
 }

@@ -1,8 +1,11 @@
-//! `selective_scan_fwd`: Mamba-1's selective scan, forward (docs/selective_scan_fwd.md has the ABI).
+//! `selective_scan_fwd` / `selective_scan_bwd`: Mamba-1's selective scan and its backward pass
+//! (docs/selective_scan_fwd.md and docs/selective_scan_bwd.md have the ABIs).
 //!
 //! [`validate_fwd`] turns operand descriptions into [`FwdParams`] (pointers, sizes and element
 //! strides: the one struct that the CPU loop and the CUDA kernel both read, so that both layouts and
 //! both forms of B/C are a matter of strides), and [`run_fwd`] runs it on a platform.
+//! [`validate_bwd`] shares its checks of the inputs and adds those of the checkpoints, cotangents and
+//! gradients ([`BwdParams`] embeds the forward's parameters); [`run_bwd`] runs it.
 
 use super::{expect, expect_dtype, expect_nonnull, Platform, Tensor};
 use crate::error::{Error, Result};
@@ -11,8 +14,11 @@ use crate::DType;
 use std::ffi::c_void;
 
 mod cpu;
+mod cpu_bwd;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_bwd;
 
 /// Largest supported state size (the CUDA kernel spreads it over at most 32 lanes of 8 states).
 pub const MAX_DSTATE: i64 = 256;
@@ -31,15 +37,13 @@ impl Layout {
         match s {
             "bdl" => Ok(Layout::ChannelFirst),
             "bld" => Ok(Layout::ChannelLast),
-            other => Err(Error::invalid(format!(
-                "selective_scan_fwd: attribute `layout`: expected \"bdl\" or \"bld\", got {other:?}"
-            ))),
+            other => Err(Error::invalid(format!("attribute `layout`: expected \"bdl\" or \"bld\", got {other:?}"))),
         }
     }
 }
 
-/// The operands of one forward call, as the host describes them.
-pub struct FwdArgs<'a> {
+/// The forward's inputs: operands of both the forward and the backward call.
+pub struct Inputs<'a> {
     pub u: &'a Tensor,
     pub delta: &'a Tensor,
     pub a: &'a Tensor,
@@ -49,13 +53,22 @@ pub struct FwdArgs<'a> {
     pub z: Option<&'a Tensor>,
     pub delta_bias: Option<&'a Tensor>,
     pub initial_state: Option<&'a Tensor>,
+    pub delta_softplus: bool,
+    pub layout: Layout,
+}
+
+/// The operands of one forward call, as the host describes them.
+pub struct FwdArgs<'a> {
+    pub inputs: Inputs<'a>,
     pub out: &'a Tensor,
     pub final_state: &'a Tensor,
+    /// States entering every `checkpoint_len`-th step, for the backward pass (docs/selective_scan_bwd.md);
+    /// present exactly when `checkpoint_len` > 0.
+    pub checkpoints: Option<&'a Tensor>,
+    pub checkpoint_len: i64,
     /// Scratch for the CUDA kernel's sequence split (see [`workspace_bytes`]); any dtype, contents
     /// undefined afterwards. Without it (or when it is too small) the scan runs unsplit.
     pub workspace: Option<&'a Tensor>,
-    pub delta_softplus: bool,
-    pub layout: Layout,
 }
 
 /// Kernel parameters, passed by value to the CUDA kernel: mirrored field for field by
@@ -94,10 +107,14 @@ pub struct FwdParams {
     pub workspace: *mut f32,
     pub chunk_len: i64,
     pub n_chunks: i64,
+    /// f32 (batch, dim, n_checkpoints, dstate): the state entering every `checkpoint_len`-th step
+    /// (null and 0: none).
+    pub checkpoints: *mut f32,
+    pub checkpoint_len: i64,
 }
 
 // The CUDA mirror asserts the same size.
-const _: () = assert!(std::mem::size_of::<FwdParams>() == 11 * 8 + 12 * 8 + 8 + 3 * 8);
+const _: () = assert!(std::mem::size_of::<FwdParams>() == 11 * 8 + 12 * 8 + 8 + 3 * 8 + 2 * 8);
 
 /// A validated forward call.
 #[derive(Debug, Clone, Copy)]
@@ -151,14 +168,70 @@ pub fn workspace_bytes(batch: i64, dim: i64, seqlen: i64, dstate: i64) -> i64 {
 
 const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
+const STATE_MEANING: &str = "[batch, dim, dstate]";
+const CHECKPOINTS_MEANING: &str = "[batch, dim, n_checkpoints, dstate]";
+
+/// `checkpoint_len` is a multiple of this (a whole number of the CUDA kernels' tiles).
+pub const CHECKPOINT_MULTIPLE: i64 = 32;
+
+/// Checkpoints of a sequence: ceil(seqlen / checkpoint_len) (0 without checkpoints).
+pub fn n_checkpoints(seqlen: i64, checkpoint_len: i64) -> i64 {
+    if checkpoint_len <= 0 {
+        0
+    } else {
+        (seqlen + checkpoint_len - 1) / checkpoint_len
+    }
+}
+
+/// Block of channels whose dB/dC partial sums the CUDA backward keeps apart (see [`bwd_workspace_bytes`]).
+const BWD_CHANNEL_BLOCK: i64 = 64;
+
+/// Bytes of workspace the CUDA backward needs (`groups` = 0 for time-invariant B/C): per-block partial
+/// sums of dB and dC (or per-(batch, channel) ones when B/C are time-invariant), of dA, and of dD and
+/// ddelta_bias, which are then reduced in a fixed order.
+pub fn bwd_workspace_bytes(batch: i64, dim: i64, seqlen: i64, dstate: i64, groups: i64) -> i64 {
+    let common = batch * dim * dstate + 2 * batch * dim;
+    let floats = if groups == 0 {
+        2 * batch * dim * dstate + common
+    } else {
+        let tiles = (dim / groups + BWD_CHANNEL_BLOCK - 1) / BWD_CHANNEL_BLOCK;
+        2 * batch * groups * tiles * dstate * seqlen + common
+    };
+    4 * floats
+}
+
 fn opt_ptr(t: Option<&Tensor>) -> *const c_void {
     t.map_or(std::ptr::null(), |t| t.data as *const c_void)
 }
 
-/// Checks every operand against u's shape and dtype; the message names the operand, what was
-/// expected and what came.
-pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
-    let op = "selective_scan_fwd";
+/// What checking the inputs yields: the parameters without results (null pointers) and the shapes
+/// the results are checked against.
+struct Checked {
+    params: FwdParams,
+    dtype: DType,
+    bc_dtype: DType,
+    time_varying: bool,
+    /// Groups of time-varying B/C; 0 when they are time-invariant.
+    groups: i64,
+    x_meaning: &'static str,
+    bc_dims: Vec<i64>,
+    bc_meaning: &'static str,
+}
+
+impl Checked {
+    fn state_dims(&self) -> [i64; 3] {
+        [self.params.batch, self.params.dim, self.params.dstate]
+    }
+
+    fn checkpoint_dims(&self, checkpoint_len: i64) -> [i64; 4] {
+        let p = &self.params;
+        [p.batch, p.dim, n_checkpoints(p.seqlen, checkpoint_len), p.dstate]
+    }
+}
+
+/// Checks every input against u's shape and dtype (the checks both passes share); the message names
+/// the operand, what was expected and what came.
+fn validate_inputs(op: &str, args: &Inputs) -> Result<Checked> {
     let x_meaning = match args.layout {
         Layout::ChannelFirst => "[batch, dim, seqlen]",
         Layout::ChannelLast => "[batch, seqlen, dim]",
@@ -198,7 +271,7 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
     let b = args.b;
     let bc_dtypes: Vec<DType> = if dtype == DType::F32 { vec![DType::F32] } else { vec![DType::F32, dtype] };
     let (groups, bc_dims, bc_meaning, time_varying) = match b.dims.len() {
-        2 => (dim, vec![dim, dstate], "[dim, dstate]", false),
+        2 => (0, vec![dim, dstate], "[dim, dstate]", false),
         4 => {
             let g = match args.layout {
                 Layout::ChannelFirst => b.dims[1],
@@ -231,20 +304,10 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
     if let Some(bias) = args.delta_bias {
         expect(bias, &format!("{op}: operand `delta_bias`"), &per_channel, "[dim]", &[DType::F32])?;
     }
-    let state_dims = [batch, dim, dstate];
     if let Some(h0) = args.initial_state {
-        expect(h0, &format!("{op}: operand `initial_state`"), &state_dims, "[batch, dim, dstate]", &[DType::F32])?;
+        expect(h0, &format!("{op}: operand `initial_state`"), &[batch, dim, dstate], STATE_MEANING, &[DType::F32])?;
     }
-    expect(args.out, &format!("{op}: result `out`"), &u.dims, x_meaning, &[dtype])?;
-    expect(
-        args.final_state,
-        &format!("{op}: result `final_state`"),
-        &state_dims,
-        "[batch, dim, dstate]",
-        &[DType::F32],
-    )?;
-
-    let named: [(Option<&Tensor>, &str); 11] = [
+    let named: [(Option<&Tensor>, &str); 9] = [
         (Some(u), "u"),
         (Some(args.delta), "delta"),
         (Some(a), "A"),
@@ -254,8 +317,6 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
         (args.z, "z"),
         (args.delta_bias, "delta_bias"),
         (args.initial_state, "initial_state"),
-        (Some(args.out), "out"),
-        (Some(args.final_state), "final_state"),
     ];
     for (t, name) in named {
         if let Some(t) = t {
@@ -285,8 +346,8 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
         z: opt_ptr(args.z),
         delta_bias: opt_ptr(args.delta_bias) as *const f32,
         initial_state: opt_ptr(args.initial_state) as *const f32,
-        out: args.out.data,
-        final_state: args.final_state.data as *mut f32,
+        out: std::ptr::null_mut(),
+        final_state: std::ptr::null_mut(),
         batch,
         dim,
         seqlen,
@@ -301,12 +362,77 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
         bc_stride_seq,
         delta_softplus: args.delta_softplus as i32,
         _reserved: 0,
-        workspace: args.workspace.map_or(std::ptr::null_mut(), |w| w.data as *mut f32),
+        workspace: std::ptr::null_mut(),
         chunk_len: seqlen,
         n_chunks: 1,
+        checkpoints: std::ptr::null_mut(),
+        checkpoint_len: 0,
+    };
+    Ok(Checked { params, dtype, bc_dtype: b.dtype, time_varying, groups, x_meaning, bc_dims, bc_meaning })
+}
+
+/// `checkpoint_len`: a positive multiple of [`CHECKPOINT_MULTIPLE`], or 0 (none) where `optional`.
+fn validate_checkpoint_len(op: &str, checkpoint_len: i64, optional: bool) -> Result<()> {
+    let valid = (checkpoint_len > 0 || (optional && checkpoint_len == 0)) && checkpoint_len % CHECKPOINT_MULTIPLE == 0;
+    if !valid {
+        let want = if optional { "0 (no checkpoints) or a positive multiple" } else { "a positive multiple" };
+        return Err(Error::invalid(format!(
+            "{op}: attribute `checkpoint_len`: expected {want} of {CHECKPOINT_MULTIPLE}, got {checkpoint_len}"
+        )));
+    }
+    Ok(())
+}
+
+/// Each named tensor that is present has data (or is empty).
+fn expect_nonnull_all(op: &str, named: &[(Option<&Tensor>, &str)]) -> Result<()> {
+    for (t, name) in named {
+        if let Some(t) = t {
+            expect_nonnull(t, &format!("{op}: `{name}`"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Checks every operand against u's shape and dtype; the message names the operand, what was
+/// expected and what came.
+pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
+    let op = "selective_scan_fwd";
+    let k = validate_inputs(op, &args.inputs)?;
+    let u = args.inputs.u;
+    expect(args.out, &format!("{op}: result `out`"), &u.dims, k.x_meaning, &[k.dtype])?;
+    expect(args.final_state, &format!("{op}: result `final_state`"), &k.state_dims(), STATE_MEANING, &[DType::F32])?;
+    validate_checkpoint_len(op, args.checkpoint_len, true)?;
+    match (args.checkpoints, args.checkpoint_len) {
+        (None, 0) => {}
+        (Some(_), 0) => {
+            return Err(Error::invalid(format!(
+                "{op}: result `checkpoints`: given, but attribute `checkpoint_len` is 0 (no checkpoints)"
+            )))
+        }
+        (None, len) => {
+            return Err(Error::invalid(format!(
+                "{op}: result `checkpoints`: missing, but attribute `checkpoint_len` is {len}"
+            )))
+        }
+        (Some(t), len) => {
+            let what = format!("{op}: result `checkpoints`");
+            expect(t, &what, &k.checkpoint_dims(len), CHECKPOINTS_MEANING, &[DType::F32])?;
+        }
+    }
+    expect_nonnull_all(
+        op,
+        &[(Some(args.out), "out"), (Some(args.final_state), "final_state"), (args.checkpoints, "checkpoints")],
+    )?;
+    let params = FwdParams {
+        out: args.out.data,
+        final_state: args.final_state.data as *mut f32,
+        checkpoints: opt_ptr(args.checkpoints) as *mut f32,
+        checkpoint_len: args.checkpoint_len,
+        workspace: args.workspace.map_or(std::ptr::null_mut(), |w| w.data as *mut f32),
+        ..k.params
     };
     let workspace_bytes = args.workspace.map_or(0, |w| w.numel() * w.dtype.size_bytes());
-    Ok(Fwd { params, dtype, bc_dtype: b.dtype, bc_time_varying: time_varying, workspace_bytes })
+    Ok(Fwd { params, dtype: k.dtype, bc_dtype: k.bc_dtype, bc_time_varying: k.time_varying, workspace_bytes })
 }
 
 /// Runs a validated forward call.
@@ -319,66 +445,339 @@ pub fn run_fwd(fwd: &Fwd, platform: Platform) -> Result<()> {
         #[cfg(feature = "cuda")]
         Platform::Cuda { stream } => cuda::fwd(fwd, stream),
         #[cfg(not(feature = "cuda"))]
-        Platform::Cuda { .. } => Err(Error::Unimplemented(
-            "selective_scan_fwd: this build of xla-ssm has no CUDA support (built without the `cuda` feature)".into(),
-        )),
+        Platform::Cuda { .. } => Err(no_cuda("selective_scan_fwd")),
     }
 }
 
-/// The XLA handler's body: decode operands per the `has_*` attributes, validate, run.
-pub fn fwd_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
-    let prefix = |e: Error| match e {
-        Error::InvalidArgument(m) if !m.starts_with("selective_scan_fwd") => {
-            Error::InvalidArgument(format!("selective_scan_fwd: {m}"))
-        }
-        other => other,
-    };
-    let layout = Layout::parse(&frame.attr_str("layout").map_err(prefix)?)?;
-    let delta_softplus = frame.attr_bool("delta_softplus").map_err(prefix)?;
-    let optional = ["D", "z", "delta_bias", "initial_state"];
-    let mut present = [false; 4];
-    for (flag, name) in present.iter_mut().zip(optional) {
-        let attr = if name == "D" { "has_d".to_string() } else { format!("has_{name}") };
-        *flag = frame.attr_bool(&attr).map_err(prefix)?;
+#[cfg(not(feature = "cuda"))]
+fn no_cuda(op: &str) -> Error {
+    Error::Unimplemented(format!("{op}: this build of xla-ssm has no CUDA support (built without the `cuda` feature)"))
+}
+
+// ------------------------------------------------------------------------------------ backward
+
+/// The operands of one backward call (docs/selective_scan_bwd.md), as the host describes them. Each
+/// optional gradient is present exactly when its primal is.
+pub struct BwdArgs<'a> {
+    pub inputs: Inputs<'a>,
+    /// The forward's `checkpoints`, made with the same `checkpoint_len`.
+    pub checkpoints: &'a Tensor,
+    pub checkpoint_len: i64,
+    pub dout: &'a Tensor,
+    pub dfinal_state: Option<&'a Tensor>,
+    pub du: &'a Tensor,
+    pub ddelta: &'a Tensor,
+    pub da: &'a Tensor,
+    pub db: &'a Tensor,
+    pub dc: &'a Tensor,
+    pub dd: Option<&'a Tensor>,
+    pub dz: Option<&'a Tensor>,
+    pub ddelta_bias: Option<&'a Tensor>,
+    pub dinitial_state: Option<&'a Tensor>,
+    /// Scratch of the CUDA backward (see [`bwd_workspace_bytes`]); the CPU ignores it.
+    pub workspace: Option<&'a Tensor>,
+}
+
+/// Kernel parameters of the backward, passed by value to the CUDA kernel: mirrored field for field
+/// by the kernel. `fwd` holds the inputs as [`validate_fwd`] lays them out, with null `out` and
+/// `final_state`, the `checkpoints` operand, the backward's workspace and one chunk (`chunk_len` =
+/// seqlen). Absent optional operands and gradients are null.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct BwdParams {
+    pub fwd: FwdParams,
+    pub dout: *const c_void,
+    pub dfinal_state: *const f32,
+    pub du: *mut c_void,
+    pub ddelta: *mut c_void,
+    pub da: *mut f32,
+    pub db: *mut c_void,
+    pub dc: *mut c_void,
+    pub dd: *mut f32,
+    pub dz: *mut c_void,
+    pub ddelta_bias: *mut f32,
+    pub dinitial_state: *mut f32,
+}
+
+const _: () = assert!(std::mem::size_of::<BwdParams>() == std::mem::size_of::<FwdParams>() + 11 * 8);
+
+/// A validated backward call.
+#[derive(Debug, Clone, Copy)]
+pub struct Bwd {
+    pub params: BwdParams,
+    /// dtype of u, delta, z, dout and their gradients.
+    pub dtype: DType,
+    /// dtype of B, C, dB and dC.
+    pub bc_dtype: DType,
+    pub bc_time_varying: bool,
+    /// Groups of time-varying B/C; 0 when they are time-invariant.
+    pub groups: i64,
+    /// Size of the workspace the host passed (0: none).
+    pub workspace_bytes: i64,
+}
+
+/// Checks the inputs as [`validate_fwd`] does, then the checkpoints, the cotangents and every
+/// gradient (shape and dtype of its primal).
+pub fn validate_bwd(args: &BwdArgs) -> Result<Bwd> {
+    let op = "selective_scan_bwd";
+    let k = validate_inputs(op, &args.inputs)?;
+    let i = &args.inputs;
+    let (x_dims, state_dims) = (&i.u.dims, k.state_dims());
+    validate_checkpoint_len(op, args.checkpoint_len, false)?;
+    let checkpoint_dims = k.checkpoint_dims(args.checkpoint_len);
+    expect(
+        args.checkpoints,
+        &format!("{op}: operand `checkpoints`"),
+        &checkpoint_dims,
+        CHECKPOINTS_MEANING,
+        &[DType::F32],
+    )?;
+    expect(args.dout, &format!("{op}: operand `dout`"), x_dims, k.x_meaning, &[k.dtype])?;
+    if let Some(t) = args.dfinal_state {
+        expect(t, &format!("{op}: operand `dfinal_state`"), &state_dims, STATE_MEANING, &[DType::F32])?;
     }
+    expect(args.du, &format!("{op}: result `du`"), x_dims, k.x_meaning, &[k.dtype])?;
+    expect(args.ddelta, &format!("{op}: result `ddelta`"), x_dims, k.x_meaning, &[k.dtype])?;
+    let (dim, dstate) = (k.params.dim, k.params.dstate);
+    expect(args.da, &format!("{op}: result `dA`"), &[dim, dstate], "[dim, dstate]", &[DType::F32])?;
+    expect(args.db, &format!("{op}: result `dB`"), &k.bc_dims, k.bc_meaning, &[k.bc_dtype])?;
+    expect(args.dc, &format!("{op}: result `dC`"), &k.bc_dims, k.bc_meaning, &[k.bc_dtype])?;
+    // (primal, gradient, their names, the gradient's shape, its meaning, dtype)
+    type OptionalGrad<'t> = (Option<&'t Tensor>, Option<&'t Tensor>, &'t str, &'t str, &'t [i64], &'t str, DType);
+    let optional: [OptionalGrad; 4] = [
+        (i.d, args.dd, "D", "dD", &[dim], "[dim]", DType::F32),
+        (i.z, args.dz, "z", "dz", x_dims, k.x_meaning, k.dtype),
+        (i.delta_bias, args.ddelta_bias, "delta_bias", "ddelta_bias", &[dim], "[dim]", DType::F32),
+        (
+            i.initial_state,
+            args.dinitial_state,
+            "initial_state",
+            "dinitial_state",
+            &state_dims,
+            STATE_MEANING,
+            DType::F32,
+        ),
+    ];
+    for (primal, grad, primal_name, name, dims, meaning, dtype) in optional {
+        match (primal, grad) {
+            (Some(_), Some(t)) => expect(t, &format!("{op}: result `{name}`"), dims, meaning, &[dtype])?,
+            (None, None) => {}
+            (Some(_), None) => {
+                return Err(Error::invalid(format!(
+                    "{op}: result `{name}`: missing, but operand `{primal_name}` is given (its gradient is required)"
+                )))
+            }
+            (None, Some(_)) => {
+                return Err(Error::invalid(format!("{op}: result `{name}`: given, but operand `{primal_name}` is not")))
+            }
+        }
+    }
+    expect_nonnull_all(
+        op,
+        &[
+            (Some(args.checkpoints), "checkpoints"),
+            (Some(args.dout), "dout"),
+            (args.dfinal_state, "dfinal_state"),
+            (Some(args.du), "du"),
+            (Some(args.ddelta), "ddelta"),
+            (Some(args.da), "dA"),
+            (Some(args.db), "dB"),
+            (Some(args.dc), "dC"),
+            (args.dd, "dD"),
+            (args.dz, "dz"),
+            (args.ddelta_bias, "ddelta_bias"),
+            (args.dinitial_state, "dinitial_state"),
+        ],
+    )?;
+    let mut_ptr = |t: Option<&Tensor>| opt_ptr(t) as *mut c_void;
+    let params = BwdParams {
+        fwd: FwdParams {
+            checkpoints: args.checkpoints.data as *mut f32,
+            checkpoint_len: args.checkpoint_len,
+            workspace: args.workspace.map_or(std::ptr::null_mut(), |w| w.data as *mut f32),
+            ..k.params
+        },
+        dout: args.dout.data,
+        dfinal_state: opt_ptr(args.dfinal_state) as *const f32,
+        du: args.du.data,
+        ddelta: args.ddelta.data,
+        da: args.da.data as *mut f32,
+        db: args.db.data,
+        dc: args.dc.data,
+        dd: mut_ptr(args.dd) as *mut f32,
+        dz: mut_ptr(args.dz),
+        ddelta_bias: mut_ptr(args.ddelta_bias) as *mut f32,
+        dinitial_state: mut_ptr(args.dinitial_state) as *mut f32,
+    };
+    let workspace_bytes = args.workspace.map_or(0, |w| w.numel() * w.dtype.size_bytes());
+    Ok(Bwd {
+        params,
+        dtype: k.dtype,
+        bc_dtype: k.bc_dtype,
+        bc_time_varying: k.time_varying,
+        groups: k.groups,
+        workspace_bytes,
+    })
+}
+
+/// Runs a validated backward call.
+pub fn run_bwd(bwd: &Bwd, platform: Platform) -> Result<()> {
+    match platform {
+        Platform::Cpu => {
+            cpu_bwd::bwd(bwd);
+            Ok(())
+        }
+        #[cfg(feature = "cuda")]
+        Platform::Cuda { stream } => cuda_bwd::bwd(bwd, stream),
+        #[cfg(not(feature = "cuda"))]
+        Platform::Cuda { .. } => Err(no_cuda("selective_scan_bwd")),
+    }
+}
+
+// ------------------------------------------------------------------------------------ frames
+
+/// The optional inputs, in operand order, with their `has_*` attributes.
+const OPTIONAL_INPUTS: [(&str, &str); 4] =
+    [("D", "has_d"), ("z", "has_z"), ("delta_bias", "has_delta_bias"), ("initial_state", "has_initial_state")];
+
+/// Names errors from frame decoding with `op` (validation's own messages already do).
+fn prefixed(op: &'static str) -> impl Fn(Error) -> Error {
+    move |e| match e {
+        Error::InvalidArgument(m) if !m.starts_with(op) => Error::InvalidArgument(format!("{op}: {m}")),
+        other => other,
+    }
+}
+
+/// The attributes both calls share: layout, delta_softplus, and which optional inputs are present.
+fn frame_flags(frame: &Frame, op: &'static str) -> Result<(Layout, bool, [bool; 4])> {
+    let prefix = prefixed(op);
+    let layout = Layout::parse(&frame.attr_str("layout").map_err(&prefix)?).map_err(&prefix)?;
+    let delta_softplus = frame.attr_bool("delta_softplus").map_err(&prefix)?;
+    let mut present = [false; 4];
+    for (flag, (_, attr)) in present.iter_mut().zip(OPTIONAL_INPUTS) {
+        *flag = frame.attr_bool(attr).map_err(&prefix)?;
+    }
+    Ok((layout, delta_softplus, present))
+}
+
+/// Operand names of a call: the five inputs, the present optional ones, then `extra` (each with
+/// its presence).
+fn operand_names(present: [bool; 4], extra: &[(&'static str, bool)]) -> Vec<&'static str> {
     let mut names = vec!["u", "delta", "A", "B", "C"];
-    names.extend(optional.iter().zip(present).filter(|(_, p)| *p).map(|(n, _)| *n));
+    names.extend(OPTIONAL_INPUTS.iter().zip(present).filter(|(_, p)| *p).map(|((n, _), _)| *n));
+    names.extend(extra.iter().filter(|(_, p)| *p).map(|(n, _)| *n));
+    names
+}
+
+/// Decodes the operands of `names` (checking their count) and returns them with a lookup by name.
+fn frame_operands(frame: &Frame, op: &'static str, names: &[&'static str]) -> Result<Vec<Tensor>> {
     if frame.num_args() != names.len() {
         return Err(Error::invalid(format!(
-            "selective_scan_fwd: expected {} operands ({}) as the has_* attributes say, got {}",
+            "{op}: expected {} operands ({}) as the attributes say, got {}",
             names.len(),
             names.join(", "),
             frame.num_args()
         )));
     }
-    if !(2..=3).contains(&frame.num_rets()) {
+    names.iter().enumerate().map(|(i, n)| frame.arg(i, n)).collect::<Result<_>>().map_err(prefixed(op))
+}
+
+/// The results of `names` (optional ones absent), then an optional `workspace`.
+fn frame_results(frame: &Frame, op: &'static str, names: &[&'static str]) -> Result<(Vec<Tensor>, Option<Tensor>)> {
+    let n = names.len();
+    if frame.num_rets() != n && frame.num_rets() != n + 1 {
         return Err(Error::invalid(format!(
-            "selective_scan_fwd: expected 2 or 3 results (out, final_state[, workspace]), got {}",
+            "{op}: expected {n} or {} results ({}[, workspace]) as the attributes say, got {}",
+            n + 1,
+            names.join(", "),
             frame.num_rets()
         )));
     }
-    let operands: Vec<Tensor> =
-        names.iter().enumerate().map(|(i, n)| frame.arg(i, n)).collect::<Result<_>>().map_err(prefix)?;
-    let find = |name: &str| names.iter().position(|n| *n == name).map(|i| &operands[i]);
-    let out = frame.ret(0, "out").map_err(prefix)?;
-    let final_state = frame.ret(1, "final_state").map_err(prefix)?;
-    let workspace = if frame.num_rets() == 3 { Some(frame.ret(2, "workspace").map_err(prefix)?) } else { None };
-    let args = FwdArgs {
+    let prefix = prefixed(op);
+    let rets: Vec<Tensor> =
+        names.iter().enumerate().map(|(i, r)| frame.ret(i, r)).collect::<Result<_>>().map_err(&prefix)?;
+    let workspace = if frame.num_rets() == n + 1 { Some(frame.ret(n, "workspace").map_err(&prefix)?) } else { None };
+    Ok((rets, workspace))
+}
+
+fn find<'t>(names: &[&str], tensors: &'t [Tensor], name: &str) -> Option<&'t Tensor> {
+    names.iter().position(|n| *n == name).map(|i| &tensors[i])
+}
+
+/// The inputs of a call from its decoded operands.
+fn frame_inputs<'t>(names: &[&str], operands: &'t [Tensor], layout: Layout, delta_softplus: bool) -> Inputs<'t> {
+    Inputs {
         u: &operands[0],
         delta: &operands[1],
         a: &operands[2],
         b: &operands[3],
         c: &operands[4],
-        d: find("D"),
-        z: find("z"),
-        delta_bias: find("delta_bias"),
-        initial_state: find("initial_state"),
-        out: &out,
-        final_state: &final_state,
-        workspace: workspace.as_ref(),
+        d: find(names, operands, "D"),
+        z: find(names, operands, "z"),
+        delta_bias: find(names, operands, "delta_bias"),
+        initial_state: find(names, operands, "initial_state"),
         delta_softplus,
         layout,
-    };
-    let fwd = validate_fwd(&args)?;
+    }
+}
+
+/// The XLA handler's body of the forward: decode operands per the attributes, validate, run.
+pub fn fwd_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
+    let op = "selective_scan_fwd";
+    let (layout, delta_softplus, present) = frame_flags(frame, op)?;
+    let checkpoint_len = frame.attr_opt("checkpoint_len", Frame::attr_i64).map_err(prefixed(op))?.unwrap_or(0);
+    // Before counting results, which depend on it.
+    validate_checkpoint_len(op, checkpoint_len, true)?;
+    let names = operand_names(present, &[]);
+    let operands = frame_operands(frame, op, &names)?;
+    let mut ret_names = vec!["out", "final_state"];
+    if checkpoint_len != 0 {
+        ret_names.push("checkpoints");
+    }
+    let (rets, workspace) = frame_results(frame, op, &ret_names)?;
+    let fwd = validate_fwd(&FwdArgs {
+        inputs: frame_inputs(&names, &operands, layout, delta_softplus),
+        out: &rets[0],
+        final_state: &rets[1],
+        checkpoints: rets.get(2),
+        checkpoint_len,
+        workspace: workspace.as_ref(),
+    })?;
     run_fwd(&fwd, platform)
+}
+
+/// The XLA handler's body of the backward: decode operands and results per the attributes,
+/// validate, run.
+pub fn bwd_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
+    let op = "selective_scan_bwd";
+    let (layout, delta_softplus, present) = frame_flags(frame, op)?;
+    let prefix = prefixed(op);
+    let has_dfinal_state = frame.attr_bool("has_dfinal_state").map_err(&prefix)?;
+    let checkpoint_len = frame.attr_i64("checkpoint_len").map_err(&prefix)?;
+    validate_checkpoint_len(op, checkpoint_len, false)?;
+    let names = operand_names(present, &[("checkpoints", true), ("dout", true), ("dfinal_state", has_dfinal_state)]);
+    let operands = frame_operands(frame, op, &names)?;
+    let mut ret_names = vec!["du", "ddelta", "dA", "dB", "dC"];
+    let grads = ["dD", "dz", "ddelta_bias", "dinitial_state"];
+    ret_names.extend(grads.iter().zip(present).filter(|(_, p)| *p).map(|(n, _)| *n));
+    let (rets, workspace) = frame_results(frame, op, &ret_names)?;
+    let ret = |name: &str| find(&ret_names, &rets, name);
+    let bwd = validate_bwd(&BwdArgs {
+        inputs: frame_inputs(&names, &operands, layout, delta_softplus),
+        checkpoints: find(&names, &operands, "checkpoints").expect("named above"),
+        checkpoint_len,
+        dout: find(&names, &operands, "dout").expect("named above"),
+        dfinal_state: find(&names, &operands, "dfinal_state"),
+        du: &rets[0],
+        ddelta: &rets[1],
+        da: &rets[2],
+        db: &rets[3],
+        dc: &rets[4],
+        dd: ret("dD"),
+        dz: ret("dz"),
+        ddelta_bias: ret("ddelta_bias"),
+        dinitial_state: ret("dinitial_state"),
+        workspace: workspace.as_ref(),
+    })?;
+    run_bwd(&bwd, platform)
 }
