@@ -4,36 +4,10 @@
 // (b, d) is scanned by NS consecutive lanes of a warp, each holding K = 8 of its states in registers;
 // per step the lanes' partial <C, h> are summed with warp shuffles. `tiled` (below; dstate <= 16) is
 // the fast one. Layouts and the two forms of B/C are expressed through the parameter struct's strides.
-#include "common.cuh"
-
-// Mirror of `FwdParams` in src/ops/selective_scan/mod.rs: keep field for field.
-struct SelectiveScanFwdParams {
-    const void* u;
-    const void* delta;
-    const float* A;
-    const void* B;
-    const void* C;
-    const float* D;
-    const void* z;
-    const float* delta_bias;
-    const float* initial_state;
-    void* out;
-    float* final_state;
-    int64_t batch, dim, seqlen, dstate, dim_per_group;
-    int64_t x_stride_batch, x_stride_dim, x_stride_seq;
-    int64_t bc_stride_batch, bc_stride_group, bc_stride_state, bc_stride_seq;
-    int32_t delta_softplus;
-    int32_t reserved;
-    // Sequence split (tiled kernel): chunks of chunk_len steps, per-chunk (state, sum of dt) in
-    // workspace [n_chunks - 1][batch][dim][kChunkRecord] f32. n_chunks == 1: no split.
-    float* workspace;
-    int64_t chunk_len, n_chunks;
-};
-static_assert(sizeof(SelectiveScanFwdParams) == 11 * 8 + 12 * 8 + 8 + 3 * 8, "mirror of FwdParams");
+#include "selective_scan.cuh"
 
 constexpr int kStatesPerLane = 8;
 constexpr int kBlockThreads = 128;
-constexpr float kLog2e = 1.4426950408889634f;
 
 template <typename T, typename TB, int NS>
 __device__ __forceinline__ void selective_scan_fwd_lanes(const SelectiveScanFwdParams& p) {
@@ -70,8 +44,20 @@ __device__ __forceinline__ void selective_scan_fwd_lanes(const SelectiveScanFwdP
     const float bias = p.delta_bias ? p.delta_bias[d] : 0.f;
     const float skip = p.D ? p.D[d] : 0.f;
 
+    // Checkpoints for the backward pass: the state entering every checkpoint_len-th step.
+    float* checkpoint = p.checkpoints ? p.checkpoints + channel * checkpoint_count(p) * p.dstate + state0 : nullptr;
+    int64_t next_checkpoint = 0;
 #pragma unroll 4
     for (int64_t l = 0; l < p.seqlen; ++l) {
+        if (checkpoint && l == next_checkpoint) {
+            if (active) {
+#pragma unroll
+                for (int k = 0; k < K; ++k)
+                    if (valid[k]) checkpoint[k] = h[k];
+            }
+            checkpoint += p.dstate;
+            next_checkpoint += p.checkpoint_len;
+        }
         const int64_t xi = x_base + l * p.x_stride_seq;
         const float ul = to_f32(u[xi]);
         float dt = to_f32(delta[xi]) + bias;
@@ -331,6 +317,13 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     if (l_begin < l_end) fetch(l_begin);
     for (int64_t l0 = l_begin; l0 < l_end; l0 += S) {
         const int steps = int(min(int64_t(S), l_end - l0));
+        // Tiles start at multiples of S, which divides checkpoint_len (a multiple of 32).
+        if (!kLocal && p.checkpoints && active && l0 % p.checkpoint_len == 0) {
+            float* checkpoint = p.checkpoints + ((b * p.dim + d) * checkpoint_count(p) + l0 / p.checkpoint_len) * p.dstate;
+#pragma unroll
+            for (int k = 0; k < K; ++k)
+                if (n0 + k < p.dstate) checkpoint[n0 + k] = h[k];
+        }
         next_u.store_shared(s_u, map, time_contiguous);
         next_delta.store_shared(s_delta, map, time_contiguous);
         if (has_z) next_z.store_shared(s_z, map, time_contiguous);

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build here, run on a GPU machine that has no Rust: puts the release library, the compiled cargo test
-# binaries and the Python package into .bundle/ (git-ignored), for the device tool's `carry`.
+# Build here, run on a GPU machine that has no Rust: puts the release library and the compiled GPU
+# cargo test binaries (ffi_cuda*; CI runs the CPU ones), stripped, into .bundle/ (git-ignored), for the
+# device tool's `carry` (64 MiB at most: each test binary embeds the kernels).
 # On the GPU machine, from the repo root: `bash scripts/gpu-run.sh` (tests, JAX on CUDA, demo).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,8 +17,11 @@ cargo test --release --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, shutil, sys
 for line in sys.stdin:
     msg = json.loads(line)
-    if msg.get("reason") == "compiler-artifact" and msg.get("executable") and "test" in msg["target"]["kind"]:
+    target = msg.get("target", {})
+    if msg.get("reason") == "compiler-artifact" and msg.get("executable") and "test" in target.get("kind", []) \
+            and target["name"].startswith("ffi_cuda"):
         shutil.copy(msg["executable"], ".bundle/tests/" + msg["target"]["name"])
         print("bundled test", msg["target"]["name"])
 '
+strip .bundle/libxla_ssm.so .bundle/tests/*
 du -sh .bundle

@@ -8,7 +8,7 @@ LOG="${OUT:-/tmp}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT/bindings/python" XLA_SSM_LIBRARY="$ROOT/.bundle/libxla_ssm.so"
 status=0
 nvidia-smi -L
-for t in ${XLA_SSM_GPU_TESTS:-ffi_cuda ffi_cpu ffi_cuda_decode ffi_cpu_decode}; do
+for t in ${XLA_SSM_GPU_TESTS:-ffi_cuda ffi_cuda_bwd ffi_cuda_decode}; do
   echo "== cargo test binary: $t"
   ".bundle/tests/$t" --test-threads=1 2>&1 | tee "$LOG/test_$t.log" | tail -n 5 || status=1
 done

@@ -512,9 +512,9 @@ pub struct XlaSsmDecodeStepArgs {
 
 /// Tensors of a state update described by the C struct: (state, x, dt, A, B, C, D, z, dt_bias, indices, out).
 fn update_tensors(a: &XlaSsmStateUpdateArgs) -> crate::error::Result<[Tensor; 11]> {
-    let dtype = dtype_of(a.dtype, "dtype")?;
-    let bc_dtype = dtype_of(a.bc_dtype, "bc_dtype")?;
-    let state_dtype = dtype_of(a.state_dtype, "state_dtype")?;
+    let dtype = dtype_of("selective_state_update", a.dtype, "dtype")?;
+    let bc_dtype = dtype_of("selective_state_update", a.bc_dtype, "bc_dtype")?;
+    let state_dtype = dtype_of("selective_state_update", a.state_dtype, "state_dtype")?;
     let slots = if a.state_batch_indices.is_null() { a.batch } else { a.n_slots };
     let t = |dtype, dims: &[i64], p: *const c_void| Tensor { dtype, dims: dims.to_vec(), data: p as *mut c_void };
     let rows = [a.batch, a.dim];
@@ -570,7 +570,7 @@ fn decode_step(args: *const XlaSsmDecodeStepArgs, platform: Platform) -> crate::
     let a = unsafe { args.as_ref() }.ok_or_else(|| Error::invalid("mamba_decode_step: args is NULL"))?;
     let t = update_tensors(&a.ssm)?;
     let u = update_args(&t, a.ssm.dt_softplus);
-    let conv_dtype = dtype_of(a.conv_dtype, "conv_dtype")?;
+    let conv_dtype = dtype_of("mamba_decode_step", a.conv_dtype, "conv_dtype")?;
     let dtype = t[1].dtype;
     let slots = t[0].dims[0];
     let conv_state = Tensor { dtype, dims: vec![slots, a.ssm.dim, a.width - 1], data: a.conv_state };

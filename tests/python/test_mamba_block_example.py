@@ -7,7 +7,6 @@ from pathlib import Path
 
 import jax
 import pytest
-from test_selective_scan_grad import needs_bwd
 from test_selective_scan_jax import assert_close
 
 _path = Path(__file__).resolve().parents[2] / "examples" / "mamba_block.py"
@@ -32,7 +31,6 @@ def test_block_matches_reference(setup):
     assert_close("block", ours, want, (2e-5, 1e-4))
 
 
-@needs_bwd
 def test_block_grads_match_reference(setup):
     params, x, target = setup
     grad = jax.jit(jax.grad(mb.loss_fn), static_argnums=3)
@@ -42,7 +40,6 @@ def test_block_grads_match_reference(setup):
         assert_close(f"d{k}", ours[k], want[k], (1e-4, 1e-3))
 
 
-@needs_bwd
 def test_block_trains(capsys):
     """The example's own check: the loss of the last steps is below 0.9x that of the first."""
     assert mb.main(["--steps", "12", "--batch", "2", "--seqlen", "32", "--d-model", "8"]) == 0, capsys.readouterr().out

@@ -12,7 +12,7 @@ import pytest
 import xla_ssm
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_selective_scan_grad import ARRAYS, GRAD_TOL, cotangents, loss_fn, needs_bwd, ref_scan, split
+from test_selective_scan_grad import ARRAYS, GRAD_TOL, cotangents, loss_fn, ref_scan, split
 from test_selective_scan_jax import F32, assert_close, make_case
 
 GATHER = re.compile(r"\b(all-gather|all-to-all|collective-permute)(-start)?\(")
@@ -78,7 +78,6 @@ def test_groups_not_divisible_by_dim_shards(mesh):
     assert GATHER.search(f.lower(placed).compile().as_text())
 
 
-@needs_bwd
 @pytest.mark.parametrize("layout", ["bdl", "bld"])
 @pytest.mark.parametrize("batch,dim,groups,bc,bax,dax,gax", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_sharded_grad(mesh, batch, dim, groups, bc, bax, dax, gax, layout):

@@ -30,8 +30,10 @@ from ._selective_scan import _as_arrays, _check
 FWD = "xla_ssm_selective_scan_fwd"
 BWD = "xla_ssm_selective_scan_bwd"
 # The forward saves the state entering every CHECKPOINT_LEN-th step for the backward (a multiple
-# of 32, docs/selective_scan_bwd.md): residuals of batch*dim*dstate*ceil(seqlen/64) f32.
-CHECKPOINT_LEN = 64
+# of 32, docs/selective_scan_bwd.md): residuals of batch*dim*dstate*ceil(seqlen/32) f32, as large as
+# a bf16 u when dstate is 16. 32 spares the CUDA backward a recompute pass: 8% faster than 64 on the
+# H100 (BENCHMARKS.md); 64 halves the memory.
+CHECKPOINT_LEN = 32
 _F32 = jnp.dtype(jnp.float32)
 
 

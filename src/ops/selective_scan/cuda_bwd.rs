@@ -1,12 +1,51 @@
-//! The CUDA launch of the backward scan.
+//! The CUDA launch of the backward scan (kernels/selective_scan_bwd.cu): the tiled kernel, which
+//! leaves per-block partial sums in the workspace, then two reductions that sum them in a fixed
+//! order (so the gradients are bitwise deterministic).
 
-use super::{bwd_workspace_bytes, Bwd};
+use super::{bwd_layout, Bwd, BwdParams, CHECKPOINT_MULTIPLE as TILE_STEPS};
+use crate::cuda::{launch, LaunchConfig};
 use crate::error::{Error, Result};
 use std::ffi::c_void;
 
-pub(super) fn bwd(bwd: &Bwd, _stream: *mut c_void) -> Result<()> {
+const THREADS: u32 = 128;
+const REDUCE_THREADS: u32 = 256;
+/// Grid-stride reductions: enough blocks to fill an H100 a few times over.
+const REDUCE_MAX_BLOCKS: i64 = 4096;
+/// The most dynamic shared memory a block may have on any GPU (sm_90's opt-in limit; smaller GPUs
+/// refuse less at launch, with the driver's message).
+const MAX_SHARED_BYTES: u32 = 227 * 1024;
+
+/// Arguments of the reduction kernels: mirror of `SelectiveScanBwdReduceParams`.
+#[repr(C)]
+struct BwdReduceParams {
+    q: BwdParams,
+    tiles_per_group: i64,
+    bc_part: i64,
+    groups: i64,
+    varying_bc: i32,
+    _reserved: i32,
+}
+
+/// Dynamic shared memory of the tiled kernel: mirror of `BwdShape<TPC>` (the kernel traps when
+/// given less than it needs).
+fn shared_bytes(threads_per_channel: i64, tiles_per_chunk: i64) -> u32 {
+    let (states, steps, piece, pitch) = (8, TILE_STEPS, 4, TILE_STEPS + 1);
+    let nmax = states * threads_per_channel;
+    let channels = THREADS as i64 / threads_per_channel;
+    let flush = if nmax <= 32 { 16 } else if nmax <= 64 { 8 } else { 4 };
+    let threads = THREADS as i64;
+    let floats = 5 * channels * pitch
+        + 2 * steps * nmax
+        + (steps / piece) * states * threads
+        + (threads / 32) * flush * 2 * nmax
+        + tiles_per_chunk * states * threads;
+    (floats * 4) as u32
+}
+
+pub(super) fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
     let p = &bwd.params.fwd;
-    let needed = bwd_workspace_bytes(p.batch, p.dim, p.seqlen, p.dstate, bwd.groups);
+    let layout = bwd_layout(p.batch, p.dim, p.seqlen, p.dstate, bwd.groups);
+    let needed = layout.floats * 4;
     if needed > 0 && (p.workspace.is_null() || bwd.workspace_bytes < needed) {
         return Err(Error::invalid(format!(
             "selective_scan_bwd: result `workspace`: the CUDA backward needs at least {needed} bytes \
@@ -14,5 +53,49 @@ pub(super) fn bwd(bwd: &Bwd, _stream: *mut c_void) -> Result<()> {
             if p.workspace.is_null() { 0 } else { bwd.workspace_bytes }
         )));
     }
-    Err(Error::Unimplemented("selective_scan_bwd: CUDA kernel not yet built".into()))
+    if !(p.workspace as usize).is_multiple_of(4) {
+        return Err(Error::invalid("selective_scan_bwd: result `workspace`: must be 4-byte aligned"));
+    }
+    let tpc = layout.threads_per_channel;
+    // The state entering each tile of a chunk is kept in shared memory.
+    let shared = shared_bytes(tpc, p.checkpoint_len / TILE_STEPS);
+    if shared > MAX_SHARED_BYTES {
+        let per_tile = shared_bytes(tpc, 1) - shared_bytes(tpc, 0);
+        let most = (MAX_SHARED_BYTES - shared_bytes(tpc, 0)) / per_tile * TILE_STEPS as u32;
+        return Err(Error::invalid(format!(
+            "selective_scan_bwd: attribute `checkpoint_len`: the CUDA backward takes at most {most} at dstate {}, \
+             got {}",
+            p.dstate, p.checkpoint_len
+        )));
+    }
+    let form = if bwd.bc_time_varying { "varying" } else { "invariant" };
+    let tiled = LaunchConfig {
+        grid: (layout.blocks_per_row as u64, p.batch as u64, 1),
+        block: THREADS,
+        shared_bytes: shared,
+    };
+    let kernel = format!("selective_scan_bwd_tiled_{}_{}_tpc{tpc}_{form}", bwd.dtype.name(), bwd.bc_dtype.name());
+    launch(stream, "selective_scan_bwd", &kernel, tiled, &bwd.params)?;
+
+    let reduce = BwdReduceParams {
+        q: bwd.params,
+        tiles_per_group: layout.tiles_per_group,
+        bc_part: layout.bc_part_floats,
+        groups: bwd.groups.max(1),
+        varying_bc: bwd.bc_time_varying as i32,
+        _reserved: 0,
+    };
+    let config = |items: i64| LaunchConfig {
+        grid: (((items + REDUCE_THREADS as i64 - 1) / REDUCE_THREADS as i64).min(REDUCE_MAX_BLOCKS) as u64, 1, 1),
+        block: REDUCE_THREADS,
+        shared_bytes: 0,
+    };
+    let bc = bwd.bc_dtype.name();
+    if bwd.bc_time_varying {
+        let groups = bwd.groups.max(1);
+        let items = p.batch * groups * p.seqlen * p.dstate;
+        launch(stream, "selective_scan_bwd", &format!("selective_scan_bwd_reduce_bc_{bc}"), config(items), &reduce)?;
+    }
+    let items = p.dim * p.dstate.max(1);
+    launch(stream, "selective_scan_bwd", &format!("selective_scan_bwd_reduce_params_{bc}"), config(items), &reduce)
 }

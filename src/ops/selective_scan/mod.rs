@@ -183,21 +183,47 @@ pub fn n_checkpoints(seqlen: i64, checkpoint_len: i64) -> i64 {
     }
 }
 
-/// Block of channels whose dB/dC partial sums the CUDA backward keeps apart (see [`bwd_workspace_bytes`]).
-const BWD_CHANNEL_BLOCK: i64 = 64;
+/// Longest checkpoint_len the CUDA backward takes (a chunk's tile starts live in shared memory).
+pub const BWD_MAX_CHECKPOINT_LEN: i64 = 256;
+/// Threads of a CUDA backward block (`kBwdThreads`).
+const BWD_THREADS: i64 = 128;
 
-/// Bytes of workspace the CUDA backward needs (`groups` = 0 for time-invariant B/C): per-block partial
-/// sums of dB and dC (or per-(batch, channel) ones when B/C are time-invariant), of dA, and of dD and
-/// ddelta_bias, which are then reduced in a fixed order.
+/// How the CUDA backward blocks a problem (kernels/selective_scan_bwd.cu), which sizes its workspace.
+#[derive(Debug, Clone, Copy)]
+pub struct BwdLayout {
+    /// Threads per channel, 8 states each: a power of two from 2 to 32.
+    pub threads_per_channel: i64,
+    /// Blocks per batch row: each takes up to 128 / threads_per_channel channels of one group.
+    pub blocks_per_row: i64,
+    pub tiles_per_group: i64,
+    /// f32s of each of the dB and dC partial sums.
+    pub bc_part_floats: i64,
+    /// f32s of the whole workspace: dB, dC, dA, dD and ddelta_bias partials.
+    pub floats: i64,
+}
+
+/// The CUDA backward's blocking for a shape (`groups` = 0: time-invariant B/C).
+pub fn bwd_layout(batch: i64, dim: i64, seqlen: i64, dstate: i64, groups: i64) -> BwdLayout {
+    let threads_per_channel = (((dstate + 7) / 8).max(2) as u64).next_power_of_two() as i64;
+    let channels = BWD_THREADS / threads_per_channel;
+    let (n_groups, group_dim) = if groups > 0 { (groups, dim / groups) } else { (1, dim) };
+    let tiles_per_group = (group_dim + channels - 1) / channels;
+    let bc_part_floats =
+        if groups > 0 { batch * groups * tiles_per_group * seqlen * dstate } else { batch * dim * dstate };
+    BwdLayout {
+        threads_per_channel,
+        blocks_per_row: n_groups * tiles_per_group,
+        tiles_per_group,
+        bc_part_floats,
+        floats: 2 * bc_part_floats + batch * dim * dstate + 2 * batch * dim,
+    }
+}
+
+/// Bytes of workspace the CUDA backward needs (`groups` = 0 for time-invariant B/C): per-block
+/// partial sums of dB and dC (per (batch, channel) ones when B/C are time-invariant), of dA, and of
+/// dD and ddelta_bias, which two small kernels then reduce in a fixed order. Depends on the shape only.
 pub fn bwd_workspace_bytes(batch: i64, dim: i64, seqlen: i64, dstate: i64, groups: i64) -> i64 {
-    let common = batch * dim * dstate + 2 * batch * dim;
-    let floats = if groups == 0 {
-        2 * batch * dim * dstate + common
-    } else {
-        let tiles = (dim / groups + BWD_CHANNEL_BLOCK - 1) / BWD_CHANNEL_BLOCK;
-        2 * batch * groups * tiles * dstate * seqlen + common
-    };
-    4 * floats
+    4 * bwd_layout(batch, dim, seqlen, dstate, groups).floats
 }
 
 fn opt_ptr(t: Option<&Tensor>) -> *const c_void {

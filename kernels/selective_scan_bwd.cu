@@ -1,0 +1,501 @@
+// Mamba-1 selective scan, backward (docs/selective_scan_bwd.md).
+//
+// A block takes CB channels of one batch row (of one B/C group) and walks the sequence backwards,
+// one checkpoint chunk at a time, with TPC threads per channel holding K = 8 states each in
+// registers. Per chunk: a forward pass from the checkpoint records the state entering each S-step
+// tile (shared memory); then per tile, backwards: its inputs are staged in shared memory (dt,
+// softplus' derivative, dy = dout * silu(z) and dz's factor computed once per element), a forward
+// pass records the state entering each SUB-step piece, and per piece, backwards: the SUB steps are
+// recomputed into registers (states and decays), then the gradient recurrence
+//     g = a[l+1] * g + C[l] * dy[l]
+// runs over them and every gradient term is formed from registers. Sums over the channels (dB, dC of
+// time-varying B/C) are reduced within a warp by shuffles (a reduce-scatter), across the block's warps
+// in shared memory, and across blocks by a second kernel; sums over the batch (dA, dD, ddelta_bias,
+// time-invariant dB/dC) by that kernel too. Every sum has a fixed order: the gradients are bitwise
+// deterministic. Two exponentials per (step, state) (the tile's forward pass and the recompute),
+// plus a part of one for chunks longer than a tile.
+#include "selective_scan.cuh"
+
+#ifndef SSB_MIN_BLOCKS
+#define SSB_MIN_BLOCKS 2
+#endif
+constexpr int kBwdThreads = 128;
+constexpr int kBwdWarps = kBwdThreads / 32;
+
+template <int TPC> struct BwdShape {
+    static constexpr int K = 8;                  // states per thread
+    static constexpr int NMAX = K * TPC;         // states per channel
+    static constexpr int CB = kBwdThreads / TPC; // channels per block
+    static constexpr int S = 32;                 // steps per tile (divides checkpoint_len)
+    static constexpr int SUB = 4;                // steps recomputed into registers at a time
+    static constexpr int NSUB = S / SUB;
+    static constexpr int P = S + 1;              // pitch of the per-(channel, step) rows
+    // Steps of dB/dC warp partials gathered before the block sums them.
+    static constexpr int FLUSH = NMAX <= 32 ? 16 : NMAX <= 64 ? 8 : 4;
+    // Shared memory, in floats: five [CB][P] rows (u then du, dt then ddelta, softplus' derivative,
+    // dy, dz's factor then dz); B and C [S][NMAX]; the piece starts [NSUB][K][threads]; the warps'
+    // dB/dC partials [warps][FLUSH][2][NMAX]; then the tile starts [tiles][K][threads]. Two blocks
+    // fit an SM for checkpoint_len <= 64 at dstate <= 16. (Smaller variants, bf16 rows and sigmoid
+    // recomputed from dt, let three blocks fit only with register spills: slower, BENCHMARKS.md.)
+    static constexpr int kU = 0, kDt = kU + CB * P, kSig = kDt + CB * P, kDy = kSig + CB * P, kDzf = kDy + CB * P;
+    static constexpr int kB = kDzf + CB * P, kC = kB + S * NMAX;
+    static constexpr int kPiece = kC + S * NMAX;
+    static constexpr int kWarpSums = kPiece + NSUB * K * kBwdThreads;
+    static constexpr int kTileStart = kWarpSums + kBwdWarps * FLUSH * 2 * NMAX;
+    static constexpr int kTileStartFloats = K * kBwdThreads;  // per tile of the chunk
+};
+
+__device__ __forceinline__ float sigmoid_fast(float x) { return __frcp_rn(1.f + ex2_ftz(-x * kLog2e)); }
+
+template <int TPC> __device__ __forceinline__ float sum_channel(float x) {
+#pragma unroll
+    for (int offset = 1; offset < TPC; offset *= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
+// The order of a thread's states: register k holds state n0 + (k ^ state_perm(lane)), the two
+// halves swapped on lanes with bit 4 set (when it is a channel bit). The reduce-scatter's first round
+// then pairs each lane's low half with its partner's high half, which holds the same states: no lane
+// selects what to send. (The swap is a choice of float4 address when B and C are read, so those reads
+// stay broadcasts; a full permutation would need permuted copies of B and C, and bank conflicts.)
+template <int TPC> __device__ __forceinline__ int state_perm(int lane) { return TPC <= 16 ? ((lane >> 4) & 1) * 4 : 0; }
+
+// Sums v[0..8) over the warp's channels (lane bits >= log2(TPC)): a reduce-scatter halves the
+// values each round while there are more than one, then plain butterflies. Leaves count values,
+// v[j] for state n0 + ((first + j) ^ perm); `writer` is false on lanes whose sums duplicate another's.
+template <int TPC>
+__device__ __forceinline__ int reduce_scatter_channels(float (&v)[8], int lane, int& first, bool& writer) {
+    int count = 8;
+    first = 0;
+    writer = true;
+#pragma unroll
+    for (int mask = 16; mask >= TPC; mask /= 2) {
+        const bool upper = (lane & mask) != 0;
+        if (count > 1) {
+            const int half = count / 2;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (j >= half) break;
+                if (mask == 16) {
+                    v[j] += __shfl_xor_sync(0xffffffffu, v[j + half], mask);
+                } else {
+                    const float keep = upper ? v[j + half] : v[j];
+                    const float send = upper ? v[j] : v[j + half];
+                    v[j] = keep + __shfl_xor_sync(0xffffffffu, send, mask);
+                }
+            }
+            if (upper && mask != 16) first += half;
+            count = half;
+        } else {
+            v[0] += __shfl_xor_sync(0xffffffffu, v[0], mask);
+            writer = writer && !upper;
+        }
+    }
+    return count;
+}
+
+template <typename T, typename TB, int TPC, bool kVaryingBC>
+__device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdParams& q) {
+    using Sh = BwdShape<TPC>;
+    constexpr int K = Sh::K, NMAX = Sh::NMAX, CB = Sh::CB, S = Sh::S, SUB = Sh::SUB, P = Sh::P;
+    const SelectiveScanFwdParams& p = q.fwd;
+    extern __shared__ __align__(16) float sm[];
+    float *s_u = sm + Sh::kU, *s_dt = sm + Sh::kDt, *s_sig = sm + Sh::kSig, *s_dy = sm + Sh::kDy, *s_dzf = sm + Sh::kDzf;
+    float *s_B = sm + Sh::kB, *s_C = sm + Sh::kC, *s_piece = sm + Sh::kPiece, *s_warp = sm + Sh::kWarpSums;
+    float* s_tile = sm + Sh::kTileStart;
+
+    // The launch sizes shared memory for the chunk's tiles; a mismatch must fail, not corrupt.
+    uint32_t shared_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(shared_bytes));
+    if (shared_bytes < (Sh::kTileStart + (p.checkpoint_len + S - 1) / S * Sh::kTileStartFloats) * sizeof(float)) __trap();
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int c = tid / TPC, part = tid % TPC, n0 = part * K;
+    const int perm = state_perm<TPC>(lane);
+    const int64_t b = blockIdx.y;
+    // Blocks tile each group's channels (time-invariant B/C: one group of all channels).
+    const int64_t group_dim = kVaryingBC ? p.dim_per_group : p.dim;
+    const int64_t tiles_per_group = (group_dim + CB - 1) / CB;
+    const int64_t group = blockIdx.x / tiles_per_group, tile_in_group = blockIdx.x % tiles_per_group;
+    const int64_t d0 = group * group_dim + tile_in_group * CB;
+    const int rows = int(min(int64_t(CB), group_dim - tile_in_group * CB));
+    const bool active = c < rows;
+    const int64_t d = d0 + (active ? c : 0);
+    const int64_t L = p.seqlen, N = p.dstate;
+    const int64_t BD = p.batch * p.dim;
+
+    const T* u_g = static_cast<const T*>(p.u);
+    const T* delta_g = static_cast<const T*>(p.delta);
+    const T* z_g = static_cast<const T*>(p.z);
+    const T* dout_g = static_cast<const T*>(q.dout);
+    const TB* B_g = static_cast<const TB*>(p.B);
+    const TB* C_g = static_cast<const TB*>(p.C);
+    const bool time_contiguous = p.x_stride_seq == 1;
+    const bool bc_time_contiguous = p.bc_stride_seq == 1;
+    const int64_t x_base = b * p.x_stride_batch + d0 * p.x_stride_dim;
+    const int64_t bc_base = kVaryingBC ? b * p.bc_stride_batch + group * p.bc_stride_group : d * p.bc_stride_group;
+    const bool softplus_on = p.delta_softplus != 0;
+    const float skip = active && p.D ? p.D[d] : 0.f;
+
+    bool valid[K];
+    float a2[K], A[K], g[K], dA[K], b_inv[kVaryingBC ? 1 : K], c_inv[kVaryingBC ? 1 : K];
+    float db_inv[kVaryingBC ? 1 : K], dc_inv[kVaryingBC ? 1 : K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int n = n0 + (k ^ perm);
+        valid[k] = active && n < N;
+        A[k] = valid[k] ? p.A[d * N + n] : 0.f;
+        a2[k] = A[k] * kLog2e;
+        g[k] = valid[k] && q.dfinal_state ? q.dfinal_state[(b * p.dim + d) * N + n] : 0.f;
+        dA[k] = 0.f;
+        if constexpr (!kVaryingBC) {
+            b_inv[k] = valid[k] ? to_f32(B_g[bc_base + n * p.bc_stride_state]) : 0.f;
+            c_inv[k] = valid[k] ? to_f32(C_g[bc_base + n * p.bc_stride_state]) : 0.f;
+            db_inv[k] = dc_inv[k] = 0.f;
+        }
+    }
+    float dD = 0.f, dbias = 0.f;
+
+    // Stages a tile's per-(channel, step) inputs and B/C (zeros outside the tile), all of them or
+    // (forward_only) what a forward pass reads: u, dt, B. Every global load is issued before the
+    // first use, so that their latencies overlap.
+    auto stage = [&](int64_t l0, int steps, bool forward_only) {
+        constexpr int kItems = CB * S / kBwdThreads;
+        T ru[kItems], rdelta[kItems], rz[kItems], rdout[kItems];
+        float rbias[kItems];
+#pragma unroll
+        for (int j = 0; j < kItems; ++j) {
+            const int i = j * kBwdThreads + tid;
+            const int r = time_contiguous ? i / S : i % CB;
+            const int t = time_contiguous ? i % S : i / CB;
+            const bool in = r < rows && t < steps;
+            const int64_t xi = x_base + r * p.x_stride_dim + (l0 + t) * p.x_stride_seq;
+            const T zero = from_f32<T>(0.f);
+            ru[j] = in ? u_g[xi] : zero;
+            rdelta[j] = in ? delta_g[xi] : zero;
+            rbias[j] = in && p.delta_bias ? p.delta_bias[d0 + r] : 0.f;
+            if (!forward_only) {
+                rdout[j] = in ? dout_g[xi] : zero;
+                rz[j] = in && z_g ? z_g[xi] : zero;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < kItems; ++j) {
+            const int i = j * kBwdThreads + tid;
+            const int r = time_contiguous ? i / S : i % CB;
+            const int t = time_contiguous ? i % S : i / CB;
+            const bool in = r < rows && t < steps;
+            const float x = to_f32(rdelta[j]) + rbias[j];
+            // Outside the tile dt = 0 (decay 1, no input): the recompute may run past its end.
+            const float dt = !in ? 0.f : softplus_on ? softplus_fast(x) : x;
+            s_u[r * P + t] = to_f32(ru[j]);
+            s_dt[r * P + t] = dt;
+            if (!forward_only) {
+                const float dout = to_f32(rdout[j]), zv = to_f32(rz[j]), s = sigmoid_fast(zv);
+                s_sig[r * P + t] = softplus_on ? sigmoid_fast(x) : 1.f;
+                s_dy[r * P + t] = z_g ? dout * zv * s : dout;
+                s_dzf[r * P + t] = z_g ? dout * s * (1.f + zv * (1.f - s)) : 0.f;
+            }
+        }
+        if constexpr (kVaryingBC) {
+            for (int i = tid; i < S * NMAX; i += kBwdThreads) {
+                const int n = bc_time_contiguous ? i / S : i % NMAX;
+                const int t = bc_time_contiguous ? i % S : i / NMAX;
+                const bool in = n < N && t < steps;
+                const int64_t gi = bc_base + n * p.bc_stride_state + (l0 + t) * p.bc_stride_seq;
+                s_B[t * NMAX + n] = in ? to_f32(B_g[gi]) : 0.f;
+                if (!forward_only) s_C[t * NMAX + n] = in ? to_f32(C_g[gi]) : 0.f;
+            }
+        }
+    };
+    // B[t] and C[t] for this thread's states, in its order (see state_perm).
+    const int bc_row = n0;
+    auto load_bc = [&](int t, float (&Bt)[K], float (&Ct)[K], bool with_c) {
+        if constexpr (kVaryingBC) {
+#pragma unroll
+            for (int q4 = 0; q4 < K / 4; ++q4) {
+                const int at = bc_row + t * NMAX + 4 * (q4 ^ (perm >> 2));
+                const float4 bv = *reinterpret_cast<const float4*>(s_B + at);
+                Bt[4 * q4] = bv.x, Bt[4 * q4 + 1] = bv.y, Bt[4 * q4 + 2] = bv.z, Bt[4 * q4 + 3] = bv.w;
+                if (with_c) {
+                    const float4 cv = *reinterpret_cast<const float4*>(s_C + at);
+                    Ct[4 * q4] = cv.x, Ct[4 * q4 + 1] = cv.y, Ct[4 * q4 + 2] = cv.z, Ct[4 * q4 + 3] = cv.w;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < K; ++k) Bt[k] = b_inv[k], Ct[k] = c_inv[k];
+        }
+    };
+    // h <- exp(dt A) h + dt B u for step t of the staged tile.
+    auto step_forward = [&](int t, float (&h)[K]) {
+        const float dt = s_dt[c * P + t], dtu = dt * s_u[c * P + t];
+        float Bt[K], Ct[K];
+        load_bc(t, Bt, Ct, false);
+#pragma unroll
+        for (int k = 0; k < K; ++k) h[k] = fmaf(ex2_ftz(dt * a2[k]), h[k], dtu * Bt[k]);
+    };
+
+    float* dB_part = p.workspace;  // see bwd_workspace_layout in src/ops/selective_scan/cuda_bwd.rs
+    const int64_t bc_part = kVaryingBC ? p.batch * (p.dim / group_dim) * tiles_per_group * L * N : BD * N;
+    float* dC_part = dB_part + bc_part;
+    float* dA_part = dC_part + bc_part;
+    float* dD_part = dA_part + BD * N;
+    float* dbias_part = dD_part + BD;
+    // This block's rows of the time-varying dB/dC partials: [l][n].
+    const int64_t block_part = ((b * (p.dim / group_dim) + group) * tiles_per_group + tile_in_group) * L * N;
+
+    const int64_t n_checkpoints = checkpoint_count(p);
+    const float* checkpoints = p.checkpoints + (b * p.dim + d) * n_checkpoints * N;
+    for (int64_t chunk = n_checkpoints - 1; chunk >= 0; --chunk) {
+        const int64_t c_begin = chunk * p.checkpoint_len, c_end = min(L, c_begin + p.checkpoint_len);
+        const int tiles = int((c_end - c_begin + S - 1) / S);
+        float h[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) h[k] = valid[k] ? checkpoints[chunk * N + n0 + (k ^ perm)] : 0.f;
+        // The state entering each tile of the chunk.
+        for (int tile = 0; tile < tiles; ++tile) {
+#pragma unroll
+            for (int k = 0; k < K; ++k) s_tile[(tile * K + k) * kBwdThreads + tid] = h[k];
+            if (tile == tiles - 1) break;
+            const int64_t l0 = c_begin + int64_t(tile) * S;
+            __syncthreads();
+            stage(l0, S, true);
+            __syncthreads();
+            for (int t = 0; t < S; ++t) step_forward(t, h);
+        }
+
+        for (int tile = tiles - 1; tile >= 0; --tile) {
+            const int64_t l0 = c_begin + int64_t(tile) * S;
+            const int steps = int(min(int64_t(S), c_end - l0));
+            __syncthreads();
+            stage(l0, steps, false);
+            __syncthreads();
+            // The state entering each piece of the tile.
+#pragma unroll
+            for (int k = 0; k < K; ++k) h[k] = s_tile[(tile * K + k) * kBwdThreads + tid];
+            for (int piece = 0; piece * SUB < steps; ++piece) {
+#pragma unroll
+                for (int k = 0; k < K; ++k) s_piece[(piece * K + k) * kBwdThreads + tid] = h[k];
+#pragma unroll
+                for (int i = 0; i < SUB; ++i)
+                    if (piece * SUB + i < steps) step_forward(piece * SUB + i, h);
+            }
+
+            for (int piece = (steps - 1) / SUB; piece >= 0; --piece) {
+                // Recompute the piece: decays and states of its steps, and y for dz.
+                float hs[K], hp[SUB][K], ap[SUB][K];
+#pragma unroll
+                for (int k = 0; k < K; ++k) hs[k] = s_piece[(piece * K + k) * kBwdThreads + tid];
+#pragma unroll
+                for (int i = 0; i < SUB; ++i) {
+                    const int t = piece * SUB + i;  // steps past the tile's end have dt = u = 0: a = 1
+                    const float dt = s_dt[c * P + t], u = s_u[c * P + t], dtu = dt * u;
+                    float Bt[K], Ct[K];
+                    load_bc(t, Bt, Ct, true);
+                    float y2[2] = {0.f, 0.f};  // two sums: shorter dependency chains
+#pragma unroll
+                    for (int k = 0; k < K; ++k) {
+                        ap[i][k] = ex2_ftz(dt * a2[k]);
+                        hp[i][k] = fmaf(ap[i][k], i ? hp[i - 1][k] : hs[k], dtu * Bt[k]);
+                        y2[k % 2] = fmaf(Ct[k], hp[i][k], y2[k % 2]);
+                    }
+                    const float y = sum_channel<TPC>(y2[0] + y2[1]);
+                    if (part == 0 && p.z) s_dzf[c * P + t] *= fmaf(skip, u, y);
+                }
+                // The gradient recurrence over the piece, backwards.
+#pragma unroll
+                for (int i = SUB - 1; i >= 0; --i) {
+                    const int t = piece * SUB + i;
+                    if (t >= steps) continue;
+                    const float dt = s_dt[c * P + t], u = s_u[c * P + t], dy = s_dy[c * P + t], dtu = dt * u;
+                    float Bt[K], Ct[K], db[K], dc[K];
+                    load_bc(t, Bt, Ct, true);
+                    float ddt_a[2] = {0.f, 0.f}, gb2[2] = {0.f, 0.f};  // sum_n A w, sum_n g B
+#pragma unroll
+                    for (int k = 0; k < K; ++k) {
+                        const float gk = fmaf(Ct[k], dy, g[k]);
+                        const float w = gk * ap[i][k] * (i ? hp[i - 1][k] : hs[k]);  // g a h[l-1]
+                        ddt_a[k % 2] = fmaf(A[k], w, ddt_a[k % 2]);
+                        gb2[k % 2] = fmaf(gk, Bt[k], gb2[k % 2]);
+                        dA[k] = fmaf(w, dt, dA[k]);
+                        db[k] = gk * dtu;
+                        dc[k] = dy * hp[i][k];
+                        g[k] = ap[i][k] * gk;
+                    }
+                    // ddt = sum_n g (B u + A a h[l-1]); du = dt sum_n g B + D dy.
+                    const float gb = sum_channel<TPC>(gb2[0] + gb2[1]);
+                    const float ddt = fmaf(u, gb, sum_channel<TPC>(ddt_a[0] + ddt_a[1]));
+                    const float du = fmaf(dt, gb, skip * dy);
+                    if (part == 0 && active) {
+                        const float ddelta = ddt * s_sig[c * P + t];
+                        // u and dt of this step have been read by all the channel's threads (the shuffles).
+                        s_u[c * P + t] = du;
+                        s_dt[c * P + t] = ddelta;
+                        dD = fmaf(dy, u, dD);
+                        dbias += ddelta;
+                    }
+                    if constexpr (kVaryingBC) {
+                        bool writer;
+                        int first;
+                        const int count = reduce_scatter_channels<TPC>(db, lane, first, writer);
+                        reduce_scatter_channels<TPC>(dc, lane, first, writer);
+                        float* w = s_warp + (warp * Sh::FLUSH + t % Sh::FLUSH) * 2 * NMAX + n0;
+                        if (writer) {
+#pragma unroll
+                            for (int j = 0; j < 8; ++j) {
+                                if (j >= count) break;
+                                w[(first + j) ^ perm] = db[j];
+                                w[NMAX + ((first + j) ^ perm)] = dc[j];
+                            }
+                        }
+                    } else {
+#pragma unroll
+                        for (int k = 0; k < K; ++k) db_inv[k] += db[k], dc_inv[k] += dc[k];
+                    }
+                }
+                if constexpr (kVaryingBC) {
+                    // After the first piece of a window: its dB/dC sums over the block's warps, in
+                    // warp order, to the workspace.
+                    constexpr int FL = Sh::FLUSH;
+                    if ((piece * SUB) % FL == 0) {
+                        __syncthreads();
+                        for (int i = tid; i < FL * 2 * NMAX; i += kBwdThreads) {
+                            const int step = i / (2 * NMAX), which = (i / NMAX) % 2, n = i % NMAX;
+                            const int t = piece * SUB + step;
+                            if (n >= N || t >= steps) continue;
+                            float sum = 0.f;
+#pragma unroll
+                            for (int wi = 0; wi < kBwdWarps; ++wi) sum += s_warp[((wi * FL + step) * 2 + which) * NMAX + n];
+                            (which ? dC_part : dB_part)[block_part + (l0 + t) * N + n] = sum;
+                        }
+                        if (piece > 0) __syncthreads();  // before the next window overwrites the partials
+                    }
+                }
+            }
+            __syncthreads();
+            // du, ddelta, dz of the tile.
+            T* du_g = static_cast<T*>(q.du);
+            T* ddelta_g = static_cast<T*>(q.ddelta);
+            T* dz_g = static_cast<T*>(q.dz);
+            for (int i = tid; i < CB * S; i += kBwdThreads) {
+                const int r = time_contiguous ? i / S : i % CB;
+                const int t = time_contiguous ? i % S : i / CB;
+                if (r >= rows || t >= steps) continue;
+                const int64_t xi = x_base + r * p.x_stride_dim + (l0 + t) * p.x_stride_seq;
+                du_g[xi] = from_f32<T>(s_u[r * P + t]);
+                ddelta_g[xi] = from_f32<T>(s_dt[r * P + t]);
+                if (dz_g) dz_g[xi] = from_f32<T>(s_dzf[r * P + t]);
+            }
+        }
+    }
+
+    if (!active) return;
+    const int64_t row = b * p.dim + d;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        if (!valid[k]) continue;
+        const int64_t at = row * N + n0 + (k ^ perm);
+        dA_part[at] = dA[k];
+        if (q.dinitial_state) q.dinitial_state[at] = g[k];
+        if constexpr (!kVaryingBC) {
+            dB_part[at] = db_inv[k];
+            dC_part[at] = dc_inv[k];
+        }
+    }
+    if (part == 0) dD_part[row] = dD, dbias_part[row] = dbias;
+}
+
+// Arguments of the reductions; mirror of `BwdReduceParams` in src/ops/selective_scan/cuda_bwd.rs.
+struct SelectiveScanBwdReduceParams {
+    SelectiveScanBwdParams q;
+    int64_t tiles_per_group;  // blocks of the tiled kernel per (batch row, group)
+    int64_t bc_part;          // floats of each of the dB and dC partials
+    int64_t groups;           // of time-varying B/C (dim may be 0)
+    int32_t varying_bc;
+    int32_t reserved;
+};
+
+// Sums the time-varying dB/dC partials over the tiles of each group, in tile order: one thread per
+// (batch, group, step, state).
+template <typename TB> __device__ __forceinline__ void selective_scan_bwd_reduce_bc(const SelectiveScanBwdReduceParams& r) {
+    const SelectiveScanBwdParams& q = r.q;
+    const SelectiveScanFwdParams& p = q.fwd;
+    const int64_t N = p.dstate, L = p.seqlen, groups = r.groups;
+    const int64_t total = p.batch * groups * L * N;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t n = i % N, l = (i / N) % L, bg = i / (N * L);  // bg = b * groups + group
+        const int64_t b = bg / groups, group = bg % groups;
+        const float* src = p.workspace + bg * r.tiles_per_group * L * N + l * N + n;
+        float sb = 0.f, sc = 0.f;
+        for (int64_t t = 0; t < r.tiles_per_group; ++t) sb += src[t * L * N], sc += src[r.bc_part + t * L * N];
+        const int64_t at = b * p.bc_stride_batch + group * p.bc_stride_group + n * p.bc_stride_state + l * p.bc_stride_seq;
+        static_cast<TB*>(q.dB)[at] = from_f32<TB>(sb);
+        static_cast<TB*>(q.dC)[at] = from_f32<TB>(sc);
+    }
+}
+
+// Sums the per-batch-row partials over the batch, in batch order: dA, dD, ddelta_bias, and
+// time-invariant dB/dC. One thread per (channel, state) (per channel when dstate is 0).
+template <typename TB>
+__device__ __forceinline__ void selective_scan_bwd_reduce_params(const SelectiveScanBwdReduceParams& r) {
+    const SelectiveScanBwdParams& q = r.q;
+    const SelectiveScanFwdParams& p = q.fwd;
+    const int64_t N = p.dstate, BD = p.batch * p.dim, DN = p.dim * N, per_channel = N > 0 ? N : 1;
+    const float* dB_part = p.workspace;
+    const float* dC_part = dB_part + r.bc_part;
+    const float* dA_part = dC_part + r.bc_part;
+    const float* dD_part = dA_part + BD * N;
+    const float* dbias_part = dD_part + BD;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.dim * per_channel;
+         i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t d = i / per_channel, n = i % per_channel;
+        if (n < N) {
+            float sa = 0.f, sb = 0.f, sc = 0.f;
+            for (int64_t b = 0; b < p.batch; ++b) {
+                sa += dA_part[b * DN + i];
+                if (!r.varying_bc) sb += dB_part[b * DN + i], sc += dC_part[b * DN + i];
+            }
+            q.dA[i] = sa;
+            if (!r.varying_bc) {
+                const int64_t at = d * p.bc_stride_group + n * p.bc_stride_state;
+                static_cast<TB*>(q.dB)[at] = from_f32<TB>(sb);
+                static_cast<TB*>(q.dC)[at] = from_f32<TB>(sc);
+            }
+        }
+        if (n == 0) {
+            float sd = 0.f, sbias = 0.f;
+            for (int64_t b = 0; b < p.batch; ++b) sd += dD_part[b * p.dim + d], sbias += dbias_part[b * p.dim + d];
+            if (q.dD) q.dD[d] = sd;
+            if (q.ddelta_bias) q.ddelta_bias[d] = sbias;
+        }
+    }
+}
+
+// selective_scan_bwd_tiled_<T>_<TB>_tpc<TPC>_<varying|invariant>: kBwdThreads threads, a (blocks of
+// channels, batch) grid, BwdShape<TPC> shared memory (the tile starts sized by the chunk's tiles).
+#define SSB_TILED_ONE(T, TB, TPC, VARYING, FORM)                                                               \
+    extern "C" __global__ void __launch_bounds__(kBwdThreads, SSB_MIN_BLOCKS)                                               \
+        selective_scan_bwd_tiled_##T##_##TB##_tpc##TPC##_##FORM(const SelectiveScanBwdParams q) {              \
+        selective_scan_bwd_tiled<T, TB, TPC, VARYING>(q);                                                      \
+    }
+#define SSB_TILED(T, TB, TPC) SSB_TILED_ONE(T, TB, TPC, true, varying) SSB_TILED_ONE(T, TB, TPC, false, invariant)
+#define SSB_ALL_TPC(T, TB) \
+    SSB_TILED(T, TB, 2) SSB_TILED(T, TB, 4) SSB_TILED(T, TB, 8) SSB_TILED(T, TB, 16) SSB_TILED(T, TB, 32)
+// selective_scan_bwd_reduce_{bc,params}_<TB>: any 1-D launch (grid-stride loops).
+#define SSB_REDUCE(TB)                                                                                          \
+    extern "C" __global__ void selective_scan_bwd_reduce_bc_##TB(const SelectiveScanBwdReduceParams r) {        \
+        selective_scan_bwd_reduce_bc<TB>(r);                                                                   \
+    }                                                                                                          \
+    extern "C" __global__ void selective_scan_bwd_reduce_params_##TB(const SelectiveScanBwdReduceParams r) {    \
+        selective_scan_bwd_reduce_params<TB>(r);                                                               \
+    }
+
+SSB_ALL_TPC(f32, f32)
+SSB_ALL_TPC(bf16, bf16)
+SSB_ALL_TPC(bf16, f32)
+SSB_ALL_TPC(f16, f16)
+SSB_ALL_TPC(f16, f32)
+SSB_REDUCE(f32)
+SSB_REDUCE(bf16)
+SSB_REDUCE(f16)
