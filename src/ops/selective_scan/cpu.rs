@@ -26,6 +26,8 @@
 //! - **Threads over blocks.** Threads (as many as cores, the calling one included) take segments of
 //!   consecutive blocks from a shared counter, so a late or slowed thread takes fewer; each writes
 //!   only its own channels. Scratch is kept per calling thread and reused across calls.
+//! - **Checkpoints** (for the backward pass, cpu_bwd.rs): chunks never cross a multiple of
+//!   `checkpoint_len`, so that a block's state at a chunk's start is the checkpoint when one is due.
 //! - **Runtime ISA choice.** The same generic code is compiled three times: AVX-512 (16 lanes),
 //!   AVX2+FMA (8 lanes) and baseline (8 lanes, no FMA), picked with `is_x86_feature_detected!`.
 //!   FMA changes rounding a little, never the math.

@@ -40,6 +40,10 @@ const PIECE_ACC_FLOATS: usize = 1 << 15;
 /// the thread count), so that a small batch x groups still spreads over the cores.
 const TARGET_UNITS: usize = 32;
 
+/// Blocks a unit holds at least where the span has them: a piece's B/C staging and dB/dC lane sums
+/// are per unit, so that one-block units would pay them once per block.
+const MIN_UNIT_BLOCKS: usize = 4;
+
 /// Bound on a unit's per-block state scratch (state gradients and sub-checkpoints), in floats.
 const UNIT_STATE_FLOATS: usize = 1 << 15;
 
@@ -68,13 +72,14 @@ struct Ctx<'a, T, TB> {
     ddelta: Out<T>,
     dz: Option<Out<T>>,
     dinitial: Option<Out<f32>>,
-    /// (batch, dim, dstate): per batch entry, sums over time.
+    /// Per (batch, channel) sums over time, by lane: [block row][state][lane] (see [`Plan::block_row`]),
+    /// so that blocks add whole lane vectors.
     part_a: Out<f32>,
-    /// (batch, dim) each, when D / delta_bias are given.
+    /// [block row][lane] each, when D / delta_bias are given.
     part_d: Option<Out<f32>>,
     part_bias: Option<Out<f32>>,
-    /// Time-varying B/C: (unit, dstate, seqlen), the sum over the unit's channels; time-invariant:
-    /// (batch, dim, dstate), sums over time.
+    /// Time-varying B/C: [unit][dstate][seqlen], the sums over the unit's channels; time-invariant:
+    /// as `part_a`.
     part_b: Out<f32>,
     part_c: Out<f32>,
 }
@@ -111,6 +116,7 @@ impl Plan {
         let max_unit_blocks = (UNIT_STATE_FLOATS / ((subs + 1) * n * w)).max(1);
         let units_per_span = TARGET_UNITS
             .div_ceil(p.batch * spans)
+            .min(blocks_per_span.div_ceil(MIN_UNIT_BLOCKS))
             .max(blocks_per_span.div_ceil(max_unit_blocks))
             .clamp(1, blocks_per_span);
         let unit_blocks = blocks_per_span.div_ceil(units_per_span);
@@ -137,6 +143,17 @@ impl Plan {
         let (bg, k) = (i / self.units_per_span, i % self.units_per_span);
         let start = k * self.unit_blocks;
         (bg / self.spans, bg % self.spans, start..(start + self.unit_blocks).min(self.blocks_per_span))
+    }
+
+    /// Index of block `j` of span `g` of batch entry `b` among all blocks.
+    fn block_row(&self, b: usize, g: usize, j: usize) -> usize {
+        (b * self.spans + g) * self.blocks_per_span + j
+    }
+
+    /// (span, block, lane) of channel `d`.
+    fn channel(&self, d: usize) -> (usize, usize, usize) {
+        let (g, r) = (d / self.span, d % self.span);
+        (g, r / self.w, r % self.w)
     }
 
     /// (first channel, channels) of block `j` of span `g`.
@@ -177,16 +194,16 @@ fn run<T: Io, TB: Io>(p: &BwdParams, groups: usize) {
     let bc_len = if time_varying { batch * groups * n * seqlen } else { dim * n };
     let state_len = batch * dim * n;
     let checkpoints_len = state_len * n_checkpoints(p.fwd.seqlen, p.fwd.checkpoint_len) as usize;
-    let per_channel = batch * dim;
+    let lanes = plan.map_or(0, |plan| batch * plan.spans * plan.blocks_per_span * plan.w);
     let part_bc_len = match plan {
         Some(plan) if time_varying => plan.units * n * seqlen,
-        _ => state_len,
+        _ => lanes * n,
     };
     // Each partial is written by one unit only (time-varying dB/dC: once per element; the others
     // accumulate from zero).
-    let mut part_a = vec![0f32; state_len];
-    let mut part_d = vec![0f32; if p.fwd.d.is_null() { 0 } else { per_channel }];
-    let mut part_bias = vec![0f32; if p.fwd.delta_bias.is_null() { 0 } else { per_channel }];
+    let mut part_a = vec![0f32; lanes * n];
+    let mut part_d = vec![0f32; if p.fwd.d.is_null() { 0 } else { lanes }];
+    let mut part_bias = vec![0f32; if p.fwd.delta_bias.is_null() { 0 } else { lanes }];
     let mut part_b = vec![0f32; part_bc_len];
     let mut part_c = vec![0f32; part_bc_len];
     let out = |v: &mut Vec<f32>| Out { ptr: v.as_mut_ptr(), len: v.len() };
@@ -232,33 +249,45 @@ fn run<T: Io, TB: Io>(p: &BwdParams, groups: usize) {
     }
 
     // The ordered sums: over batch, then (time-varying dB/dC) over the units of a span.
-    let sum_batch = |part: &[f32], row: usize, i: usize| (0..batch).fold(0f32, |acc, b| acc + part[b * row + i]);
     // SAFETY (every slice below): validation checked the shapes; the workers are done.
-    unsafe {
-        let da = std::slice::from_raw_parts_mut(p.da, dim * n);
-        for (i, o) in da.iter_mut().enumerate() {
-            *o = sum_batch(&part_a, dim * n, i);
-        }
-        for (dst, part) in [(p.dd, &part_d), (p.ddelta_bias, &part_bias)] {
-            if !dst.is_null() {
-                for (i, o) in std::slice::from_raw_parts_mut(dst, dim).iter_mut().enumerate() {
-                    *o = sum_batch(part, dim, i);
-                }
+    let (da, mut dd, mut dbias) = unsafe {
+        let per_channel = |p: *mut f32| (!p.is_null()).then(|| std::slice::from_raw_parts_mut(p, dim));
+        (std::slice::from_raw_parts_mut(p.da, dim * n), per_channel(p.dd), per_channel(p.ddelta_bias))
+    };
+    let (db, dc) = unsafe {
+        let bc = |p: *mut c_void| std::slice::from_raw_parts_mut(p as *mut TB, bc_len);
+        (bc(p.db), bc(p.dc))
+    };
+    let Some(plan) = plan else {
+        // batch or dim 0: no channel contributes.
+        da.fill(0.0);
+        dd.into_iter().chain(dbias).for_each(|v| v.fill(0.0));
+        db.fill(TB::store(0.0));
+        dc.fill(TB::store(0.0));
+        return;
+    };
+    let w = plan.w;
+    for d in 0..dim {
+        let (g, j, lane) = plan.channel(d);
+        let sum = |part: &[f32], row: usize, s: usize| {
+            (0..batch).fold(0f32, |acc, b| acc + part[(plan.block_row(b, g, j) * row + s) * w + lane])
+        };
+        for s in 0..n {
+            da[d * n + s] = sum(&part_a, n, s);
+            if !time_varying {
+                db[d * n + s] = TB::store(sum(&part_b, n, s));
+                dc[d * n + s] = TB::store(sum(&part_c, n, s));
             }
         }
-        for (dst, part) in [(p.db, &part_b), (p.dc, &part_c)] {
-            let dst = std::slice::from_raw_parts_mut(dst as *mut TB, bc_len);
-            match plan {
-                Some(plan) if time_varying => sum_units(&geom, &plan, part, dst),
-                // dim 0 with groups: no channel contributes.
-                None if time_varying => dst.fill(TB::store(0.0)),
-                _ => {
-                    for (i, o) in dst.iter_mut().enumerate() {
-                        *o = TB::store(sum_batch(part, dim * n, i));
-                    }
-                }
+        for (out, part) in [(dd.as_deref_mut(), &part_d), (dbias.as_deref_mut(), &part_bias)] {
+            if let Some(out) = out {
+                out[d] = sum(part, 1, 0);
             }
         }
+    }
+    if time_varying {
+        sum_units(&geom, &plan, &part_b, db);
+        sum_units(&geom, &plan, &part_c, dc);
     }
 }
 
@@ -450,7 +479,7 @@ fn unit<T: Io, TB: Io, const W: usize, const FMA: bool>(
                 } else {
                     start.copy_from_slice(&subs[(kb * plan.subs + j - 1) * n..][..n]);
                 }
-                let ch = Channels { b, first, width };
+                let ch = Channels { b, first, width, block: plan.block_row(b, g, blk) };
                 let mut piece = Piece {
                     ch,
                     steps,
@@ -482,7 +511,7 @@ fn unit<T: Io, TB: Io, const W: usize, const FMA: bool>(
                         // SAFETY: this unit owns its rows of the partial.
                         let row = unsafe { part.rows(unit_rows + s * plan.seqlen + l0, steps) };
                         for (l, o) in row.iter_mut().enumerate() {
-                            *o = acc[l * n + s].iter().fold(0.0, |sum, &x| sum + x);
+                            *o = lane_sum(acc[l * n + s]);
                         }
                     }
                 }
@@ -504,12 +533,26 @@ fn unit<T: Io, TB: Io, const W: usize, const FMA: bool>(
     }
 }
 
-/// Channels first..first + width of batch entry b.
+/// The sum of a vector's lanes, in a fixed order (a tree, halving).
+#[inline(always)]
+fn lane_sum<const W: usize>(mut v: [f32; W]) -> f32 {
+    let mut half = W / 2;
+    while half > 0 {
+        for l in 0..half {
+            v[l] += v[l + half];
+        }
+        half /= 2;
+    }
+    v[0]
+}
+
+/// Channels first..first + width of batch entry b: block `block` of [`Plan::block_row`].
 #[derive(Clone, Copy)]
 struct Channels {
     b: usize,
     first: usize,
     width: usize,
+    block: usize,
 }
 
 /// A log2 e (for [`exp2`]) and A, per lane.
@@ -655,24 +698,26 @@ struct BcGrads<'a, const W: usize> {
     dc: &'a mut [[f32; W]],
 }
 
-/// Every state of one block over one piece, in register groups of [`GROUP`], 4 and 1 states;
-/// `bc(step, state)` gives B and C.
+/// Every state of one block over one piece, in register groups of [`GROUP`], 4 and 1 states.
 #[inline(always)]
+/// `bc(step, state)` gives B and C.
 fn states<T, TB, const W: usize, const FMA: bool>(
     ctx: &Ctx<T, TB>,
     piece: &mut Piece<W>,
     bc: impl Fn(usize, usize) -> (V<W>, V<W>) + Copy,
 ) {
     let n = piece.start.len();
+    let tv = piece.acc.is_some();
     let mut s0 = 0;
     while s0 < n {
         let left = n - s0;
-        s0 += if left >= GROUP {
-            group::<T, TB, W, FMA, GROUP>(ctx, piece, s0, bc)
-        } else if left >= 4 {
-            group::<T, TB, W, FMA, 4>(ctx, piece, s0, bc)
-        } else {
-            group::<T, TB, W, FMA, 1>(ctx, piece, s0, bc)
+        s0 += match (left >= GROUP, left >= 4, tv) {
+            (true, _, true) => group::<T, TB, W, FMA, GROUP, true>(ctx, piece, s0, bc),
+            (true, _, false) => group::<T, TB, W, FMA, GROUP, false>(ctx, piece, s0, bc),
+            (false, true, true) => group::<T, TB, W, FMA, 4, true>(ctx, piece, s0, bc),
+            (false, true, false) => group::<T, TB, W, FMA, 4, false>(ctx, piece, s0, bc),
+            (false, false, true) => group::<T, TB, W, FMA, 1, true>(ctx, piece, s0, bc),
+            (false, false, false) => group::<T, TB, W, FMA, 1, false>(ctx, piece, s0, bc),
         };
     }
 }
@@ -680,82 +725,91 @@ fn states<T, TB, const W: usize, const FMA: bool>(
 /// States s0..s0 + G of one block over one piece: recomputes their states from those entering the
 /// piece (keeping each step's state and decay), then runs the reverse recurrence, adding to the
 /// per-step sums (y, sum_n g B, sum_n A g a h[l-1]) and to dB/dC, and the sums over the piece (dA;
-/// dB and dC when time-invariant) to the unit's partials. Returns G.
+/// dB and dC when time-invariant, `!TV`) to the unit's partials. Returns G.
 #[inline(always)]
-fn group<T, TB, const W: usize, const FMA: bool, const G: usize>(
+fn group<T, TB, const W: usize, const FMA: bool, const G: usize, const TV: bool>(
     ctx: &Ctx<T, TB>,
     piece: &mut Piece<W>,
     s0: usize,
     bc: impl Fn(usize, usize) -> (V<W>, V<W>),
 ) -> usize {
-    let Piece { ch, steps, start, ref mut grads, a2, av, ref mut x, ref mut acc, ref mut hist, ref mut dec } = *piece;
-    let n = start.len();
-    let a2: [V<W>; G] = std::array::from_fn(|j| V(a2[s0 + j]));
-    let av: [V<W>; G] = std::array::from_fn(|j| V(av[s0 + j]));
+    let (n, steps, ch) = (piece.start.len(), piece.steps, piece.ch);
+    let x = &mut *piece.x;
+    let (dt, dtu, dy) = (&x.dt[..steps], &x.dtu[..steps], &x.dy[..steps]);
+    let (y, gb, gah) = (&mut x.y[..steps], &mut x.gb[..steps], &mut x.gah[..steps]);
+    let hist = &mut piece.hist[..(steps + 1) * G];
+    let dec = &mut piece.dec[..steps * G];
+    let a2: [V<W>; G] = std::array::from_fn(|j| V(piece.a2[s0 + j]));
+    let av: [V<W>; G] = std::array::from_fn(|j| V(piece.av[s0 + j]));
 
-    let mut h: [V<W>; G] = std::array::from_fn(|j| V(start[s0 + j]));
+    // Recompute: hist[i + 1] = states after step i (hist[0]: entering the piece), dec[i] = decays.
+    let mut h: [V<W>; G] = std::array::from_fn(|j| V(piece.start[s0 + j]));
     for (o, h) in hist[..G].iter_mut().zip(h) {
         *o = h.0;
     }
-    for i in 0..steps {
-        let (dt, dtu) = (V(x.dt[i]), V(x.dtu[i]));
-        let mut y = V(x.y[i]);
+    for (i, (dec, after)) in dec.chunks_exact_mut(G).zip(hist[G..].chunks_exact_mut(G)).enumerate() {
+        let (dt, dtu) = (V(dt[i]), V(dtu[i]));
+        let mut acc = V(y[i]);
         for j in 0..G {
-            let (bj, cj) = bc(i, s0 + j);
+            let (b, c) = bc(i, s0 + j);
             let a = exp2::<W, FMA>(dt * a2[j]);
-            h[j] = a.mul_add::<FMA>(h[j], dtu * bj);
-            dec[i * G + j] = a.0;
-            hist[(i + 1) * G + j] = h[j].0;
-            y = cj.mul_add::<FMA>(h[j], y);
+            h[j] = a.mul_add::<FMA>(h[j], dtu * b);
+            dec[j] = a.0;
+            after[j] = h[j].0;
+            acc = c.mul_add::<FMA>(h[j], acc);
         }
-        x.y[i] = y.0;
+        y[i] = acc.0;
     }
 
+    // Reverse: gs holds a[l+1] g[l+1] entering step l; g = g[l].
     let zero = V::splat(0.0);
-    let mut gs: [V<W>; G] = std::array::from_fn(|j| V(grads[s0 + j]));
+    let mut gs: [V<W>; G] = std::array::from_fn(|j| V(piece.grads[s0 + j]));
     let (mut da, mut db, mut dc) = ([zero; G], [zero; G], [zero; G]);
-    for i in (0..steps).rev() {
-        let (dt, dtu, dy) = (V(x.dt[i]), V(x.dtu[i]), V(x.dy[i]));
-        let (mut gb, mut gah) = (zero, zero);
+    let hist = &*hist;
+    let rows = dec.chunks_exact(G).zip(hist.chunks_exact(G).zip(hist[G..].chunks_exact(G))).enumerate().rev();
+    for (i, (dec, (before, after))) in rows {
+        let (dt, dtu, dy) = (V(dt[i]), V(dtu[i]), V(dy[i]));
+        let (mut sum_gb, mut sum_gah) = (zero, zero);
+        // Time-varying: g[l] per state, for dB below.
+        let mut g_row = [zero; G];
         for j in 0..G {
-            let (bj, cj) = bc(i, s0 + j);
-            let (a, before, after) = (V(dec[i * G + j]), V(hist[i * G + j]), V(hist[(i + 1) * G + j]));
-            // gs holds a[l+1] g[l+1]; g = g[l].
-            let g = cj.mul_add::<FMA>(dy, gs[j]);
-            gb = g.mul_add::<FMA>(bj, gb);
+            let (b, c) = bc(i, s0 + j);
+            let (a, before, after) = (V(dec[j]), V(before[j]), V(after[j]));
+            let g = c.mul_add::<FMA>(dy, gs[j]);
+            sum_gb = g.mul_add::<FMA>(b, sum_gb);
             let gah_j = g * a * before;
-            gah = gah_j.mul_add::<FMA>(av[j], gah);
+            sum_gah = gah_j.mul_add::<FMA>(av[j], sum_gah);
             da[j] = gah_j.mul_add::<FMA>(dt, da[j]);
-            match acc {
-                Some(BcGrads { db: dba, dc: dca }) => {
-                    let k = i * n + s0 + j;
-                    dba[k] = g.mul_add::<FMA>(dtu, V(dba[k])).0;
-                    dca[k] = dy.mul_add::<FMA>(after, V(dca[k])).0;
-                }
-                None => {
-                    db[j] = g.mul_add::<FMA>(dtu, db[j]);
-                    dc[j] = dy.mul_add::<FMA>(after, dc[j]);
-                }
+            if TV {
+                g_row[j] = g;
+            } else {
+                db[j] = g.mul_add::<FMA>(dtu, db[j]);
+                dc[j] = dy.mul_add::<FMA>(after, dc[j]);
             }
             gs[j] = a * g;
         }
-        x.gb[i] = (V(x.gb[i]) + gb).0;
-        x.gah[i] = (V(x.gah[i]) + gah).0;
+        if let (true, Some(acc)) = (TV, piece.acc.as_mut()) {
+            let k = i * n + s0;
+            for (o, g) in acc.db[k..k + G].iter_mut().zip(g_row) {
+                *o = g.mul_add::<FMA>(dtu, V(*o)).0;
+            }
+            for (o, &h) in acc.dc[k..k + G].iter_mut().zip(after) {
+                *o = dy.mul_add::<FMA>(V(h), V(*o)).0;
+            }
+        }
+        gb[i] = (V(gb[i]) + sum_gb).0;
+        gah[i] = (V(gah[i]) + sum_gah).0;
     }
-    for (o, g) in grads[s0..s0 + G].iter_mut().zip(gs) {
+    for (o, g) in piece.grads[s0..s0 + G].iter_mut().zip(gs) {
         *o = g.0;
     }
 
-    let row = (ch.b * ctx.p.dim + ch.first) * n + s0;
-    let time_invariant = acc.is_none();
-    let parts = [(true, &ctx.part_a, da), (time_invariant, &ctx.part_b, db), (time_invariant, &ctx.part_c, dc)];
+    let parts = [(true, &ctx.part_a, da), (!TV, &ctx.part_b, db), (!TV, &ctx.part_c, dc)];
     for (_, part, sums) in parts.into_iter().filter(|(on, _, _)| *on) {
-        for l in 0..ch.width {
-            // SAFETY: this unit owns channels first..first + width of batch b.
-            let out = unsafe { part.rows(row + l * n, G) };
-            for (o, v) in out.iter_mut().zip(&sums) {
-                *o += v.0[l];
-            }
+        // SAFETY: this unit owns its blocks' rows.
+        let out = unsafe { part.rows((ch.block * n + s0) * W, G * W) };
+        for (o, v) in out.as_chunks_mut::<W>().0.iter_mut().zip(sums) {
+            *o = (V(*o) + v).0;
         }
     }
     G
@@ -793,8 +847,8 @@ fn finish<T: Io, TB, const W: usize, const FMA: bool>(
     }
     for (part, v) in [(&ctx.part_d, dd), (&ctx.part_bias, dbias)] {
         if let Some(part) = part {
-            // SAFETY: this unit owns channels first..first + width of batch b.
-            let out = unsafe { part.rows(b * p.dim + first, width) };
+            // SAFETY: this unit owns its blocks' rows.
+            let out = unsafe { part.rows(ch.block * W, W) };
             for (o, e) in out.iter_mut().zip(v.0) {
                 *o += e;
             }
