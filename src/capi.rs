@@ -446,7 +446,6 @@ pub unsafe extern "C" fn xla_ssm_selective_scan_bwd_cuda_launch(
     status_of(catch_unwind(AssertUnwindSafe(|| bwd(args, Platform::Cuda { stream }))))
 }
 
-
 // ---- Decode (docs/decode.md): the state update and the fused decode step, states in place.
 
 /// Arguments of `selective_state_update`: one token, `state` updated in place. Dense row-major

@@ -32,7 +32,13 @@ fn shared_bytes(threads_per_channel: i64, tiles_per_chunk: i64) -> u32 {
     let (states, steps, piece, pitch) = (8, TILE_STEPS, 4, TILE_STEPS + 1);
     let nmax = states * threads_per_channel;
     let channels = THREADS as i64 / threads_per_channel;
-    let flush = if nmax <= 32 { 16 } else if nmax <= 64 { 8 } else { 4 };
+    let flush = if nmax <= 32 {
+        16
+    } else if nmax <= 64 {
+        8
+    } else {
+        4
+    };
     let threads = THREADS as i64;
     let floats = 5 * channels * pitch
         + 2 * steps * nmax
@@ -69,11 +75,8 @@ pub(super) fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
         )));
     }
     let form = if bwd.bc_time_varying { "varying" } else { "invariant" };
-    let tiled = LaunchConfig {
-        grid: (layout.blocks_per_row as u64, p.batch as u64, 1),
-        block: THREADS,
-        shared_bytes: shared,
-    };
+    let tiled =
+        LaunchConfig { grid: (layout.blocks_per_row as u64, p.batch as u64, 1), block: THREADS, shared_bytes: shared };
     let kernel = format!("selective_scan_bwd_tiled_{}_{}_tpc{tpc}_{form}", bwd.dtype.name(), bwd.bc_dtype.name());
     launch(stream, "selective_scan_bwd", &kernel, tiled, &bwd.params)?;
 
