@@ -165,7 +165,6 @@ template <typename T> int run(const Cfg& cf) {
     else if (cf.bld) p.bc_stride_batch = L * G * N, p.bc_stride_group = N, p.bc_stride_state = 1, p.bc_stride_seq = G * N;
     else p.bc_stride_batch = G * N * L, p.bc_stride_group = N * L, p.bc_stride_state = L, p.bc_stride_seq = 1;
     p.delta_softplus = cf.sp;
-    p.chunk_len = L, p.n_chunks = 1;
     p.checkpoints = (float*)upload(ckpt);
     p.checkpoint_len = cf.ckl;
     q.dout = upload(tdout);
@@ -183,10 +182,20 @@ template <typename T> int run(const Cfg& cf) {
     int tpc = 2;
     while (tpc * 8 < N) tpc *= 2;
     const int64_t CB = 128 / tpc, group_dim = varying ? dpg : D, tiles = (group_dim + CB - 1) / CB;
-    const int64_t bc_part = varying ? Bt * (D / group_dim) * tiles * L * N : Bt * D * N;
-    const int64_t ws_floats = 2 * bc_part + Bt * D * N + 2 * Bt * D;
-    p.workspace = (float*)upload(std::vector<float>(ws_floats, 0.f));
-    const int64_t tiles_per_chunk = cf.ckl / 32;
+    // Sequence split, as src/ops/selective_scan/mod.rs plans it.
+    const int64_t blocks = (D / std::max<int64_t>(group_dim, 1)) * tiles * Bt;
+    int64_t n_split = 1;
+    if (blocks > 0 && 2 * blocks < 264 && ncp >= 2) {
+        const int64_t want = std::min<int64_t>((264 + blocks - 1) / blocks, ncp);
+        const int64_t per = (ncp + want - 1) / want;
+        n_split = (ncp + per - 1) / per;
+    }
+    const int64_t part_len = (ncp + n_split - 1) / n_split * cf.ckl;
+    const int64_t bc_part = varying ? Bt * (D / group_dim) * tiles * L * N : n_split * Bt * D * N;
+    const int64_t ws_floats = 2 * bc_part + n_split * (Bt * D * N + 2 * Bt * D) + (n_split - 1) * Bt * D * (N + 1);
+    p.workspace = (float*)upload(std::vector<float>(std::max<int64_t>(ws_floats, 1), 0.f));
+    p.chunk_len = part_len, p.n_chunks = n_split;
+    const int64_t tiles_per_chunk = cf.ckl / BwdShape<2>::S;
     int64_t shared_floats = 0;
 #define SHARED(TPCV) \
     if (tpc == TPCV) shared_floats = BwdShape<TPCV>::kTileStart + tiles_per_chunk * BwdShape<TPCV>::kTileStartFloats;
@@ -194,17 +203,23 @@ template <typename T> int run(const Cfg& cf) {
     const size_t shared = shared_floats * 4;
 
     void (*kern)(const SelectiveScanBwdParams) = nullptr;
+    void (*local)(const SelectiveScanBwdParams) = nullptr;
 #define PICK(TT, TPCV)                                                                                      \
-    if (tpc == TPCV)                                                                                         \
+    if (tpc == TPCV) {                                                                                       \
         kern = varying ? selective_scan_bwd_tiled_##TT##_##TT##_tpc##TPCV##_varying                         \
-                       : selective_scan_bwd_tiled_##TT##_##TT##_tpc##TPCV##_invariant;
+                       : selective_scan_bwd_tiled_##TT##_##TT##_tpc##TPCV##_invariant;                      \
+        local = varying ? selective_scan_bwd_tiled_local_##TT##_##TT##_tpc##TPCV##_varying                  \
+                        : selective_scan_bwd_tiled_local_##TT##_##TT##_tpc##TPCV##_invariant;               \
+    }
     if (cf.bf) { PICK(bf16, 2) PICK(bf16, 4) PICK(bf16, 8) PICK(bf16, 16) PICK(bf16, 32) }
     else { PICK(f32, 2) PICK(f32, 4) PICK(f32, 8) PICK(f32, 16) PICK(f32, 32) }
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)));
+    CK(cudaFuncSetAttribute(local, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)));
     auto red_bc = cf.bf ? selective_scan_bwd_reduce_bc_bf16 : selective_scan_bwd_reduce_bc_f32;
     auto red_p = cf.bf ? selective_scan_bwd_reduce_params_bf16 : selective_scan_bwd_reduce_params_f32;
-    dim3 grid((D / group_dim) * tiles, Bt);
+    dim3 grid((D / std::max<int64_t>(group_dim, 1)) * tiles, Bt, n_split);
     auto launch = [&]() {
+        if (Bt > 0 && D > 0 && n_split > 1) local<<<dim3(grid.x, grid.y, n_split - 1), 128, shared>>>(q);
         if (Bt > 0 && D > 0) kern<<<grid, 128, shared>>>(q);
         SelectiveScanBwdReduceParams r{q, tiles, bc_part, G, varying, 0};
         if (varying && Bt * G * L * N > 0) red_bc<<<(unsigned)std::min<int64_t>((Bt * G * L * N + 255) / 256, 65535), 256>>>(r);
@@ -251,8 +266,8 @@ template <typename T> int run(const Cfg& cf) {
     CK(cudaEventSynchronize(e1));
     float ms;
     CK(cudaEventElapsedTime(&ms, e0, e1));
-    printf("time %.1f us  (%ld x %ld x %ld x %ld, tpc %d, shared %zu B, grid %u x %u)\n", 1000 * ms / reps, (long)Bt,
-           (long)D, (long)L, (long)N, tpc, shared, grid.x, grid.y);
+    printf("time %.1f us  (%ld x %ld x %ld x %ld, tpc %d, shared %zu B, grid %u x %u x %u)\n", 1000 * ms / reps, (long)Bt,
+           (long)D, (long)L, (long)N, tpc, shared, grid.x, grid.y, grid.z);
     return 0;
 }
 

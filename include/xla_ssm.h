@@ -114,6 +114,63 @@ typedef struct XlaSsmSelectiveScanBwdArgs {
   int64_t workspace_bytes;
 } XlaSsmSelectiveScanBwdArgs;
 
+// Arguments of `selective_state_update`: one token, `state` updated in place. Dense row-major
+// arrays; optional pointers may be NULL.
+typedef struct XlaSsmStateUpdateArgs {
+  int64_t batch;
+  int64_t dim;
+  // 0..=256.
+  int64_t dstate;
+  // Groups of B and C (must divide dim).
+  int64_t groups;
+  // Rows of `state` when `state_batch_indices` is given (a pool of states); ignored otherwise
+  // (the state then has `batch` rows).
+  int64_t n_slots;
+  // dtype of x, dt, z and out.
+  XlaSsmDtype dtype;
+  // dtype of B and C: XLA_SSM_F32 or `dtype`.
+  XlaSsmDtype bc_dtype;
+  // dtype of the state: XLA_SSM_F32 or `dtype`.
+  XlaSsmDtype state_dtype;
+  bool dt_softplus;
+  // (n_slots or batch, dim, dstate), read and written.
+  void *state;
+  // (batch, dim).
+  const void *x;
+  // (batch, dim).
+  const void *dt;
+  // (dim, dstate) f32.
+  const float *a;
+  // (batch, groups, dstate).
+  const void *b;
+  const void *c;
+  // (dim) f32, optional.
+  const float *d;
+  // (batch, dim), optional.
+  const void *z;
+  // (dim) f32, optional.
+  const float *dt_bias;
+  // (batch) int32, optional: row i updates state row state_batch_indices[i]; a negative entry is a
+  // padding row (output 0, no state touched). On the host an entry >= n_slots is an error; on the
+  // GPU such a row is skipped like padding.
+  const int32_t *state_batch_indices;
+  // (batch, dim), like x.
+  void *out;
+} XlaSsmStateUpdateArgs;
+
+// Arguments of the fused decode step: `XlaSsmStateUpdateArgs` (whose `x` is the conv's input) plus
+// the conv: `conv_state` (n_slots or batch, dim, width - 1), dtype of x, updated in place;
+// `conv_weight` (dim, width) and optional `conv_bias` (dim), both of `conv_dtype` (XLA_SSM_F32 or
+// the dtype of x). width is 2..=4.
+typedef struct XlaSsmDecodeStepArgs {
+  struct XlaSsmStateUpdateArgs ssm;
+  int64_t width;
+  XlaSsmDtype conv_dtype;
+  void *conv_state;
+  const void *conv_weight;
+  const void *conv_bias;
+} XlaSsmDecodeStepArgs;
+
 #define XLA_SSM_OK 0
 
 #define XLA_SSM_INVALID_ARGUMENT 1
@@ -193,6 +250,35 @@ XlaSsmStatus xla_ssm_selective_scan_bwd_host(const struct XlaSsmSelectiveScanBwd
 XlaSsmStatus xla_ssm_selective_scan_bwd_cuda_launch(const struct XlaSsmSelectiveScanBwdArgs *args,
                                                     void *stream);
 
+// One decode token of the selective scan on host memory; `state` is updated in place.
+//
+// # Safety
+// `args` points at a valid struct whose pointers address arrays of the sizes it describes.
+XlaSsmStatus xla_ssm_selective_state_update_host(const struct XlaSsmStateUpdateArgs *args);
+
+// One decode token of the selective scan on device memory, enqueued on `stream` (NULL: the legacy
+// default stream); `state` is updated in place. One kernel, no synchronization: capturable in CUDA
+// graphs. Out-of-range `state_batch_indices` are skipped, not checked (that would need a sync).
+//
+// # Safety
+// As [`xla_ssm_selective_state_update_host`], with device pointers of the stream's context.
+XlaSsmStatus xla_ssm_selective_state_update_cuda_launch(const struct XlaSsmStateUpdateArgs *args,
+                                                        void *stream);
+
+// The fused decode step (conv update + SiLU + state update + gate) on host memory; `conv_state` and
+// the ssm state are updated in place.
+//
+// # Safety
+// `args` points at a valid struct whose pointers address arrays of the sizes it describes.
+XlaSsmStatus xla_ssm_mamba_decode_step_host(const struct XlaSsmDecodeStepArgs *args);
+
+// The fused decode step on device memory, one kernel enqueued on `stream`; capturable in CUDA graphs.
+//
+// # Safety
+// As [`xla_ssm_mamba_decode_step_host`], with device pointers of the stream's context.
+XlaSsmStatus xla_ssm_mamba_decode_step_cuda_launch(const struct XlaSsmDecodeStepArgs *args,
+                                                   void *stream);
+
 // XLA FFI handler of `xla_ssm_selective_scan_fwd` for platform "cpu" (register with
 // `jax.ffi.register_ffi_target(..., platform="cpu")`).
 //
@@ -219,6 +305,76 @@ XLA_FFI_Error *xla_ssm_selective_scan_bwd_cpu(XLA_FFI_CallFrame *call_frame);
 // # Safety
 // Called by XLA with a valid call frame.
 XLA_FFI_Error *xla_ssm_selective_scan_bwd_cuda(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_selective_state_update` (selective state update (one decode token, state in place)) for platform "cpu".
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_selective_state_update_cpu(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_selective_state_update` for platform "CUDA". Runs on XLA's stream, allocates
+// nothing and never synchronizes (the copy of a non-aliased state is an async device copy), so it is
+// safe in CUDA graphs (command buffers).
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_selective_state_update_cuda(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_causal_conv1d_fwd` (causal conv1d forward) for platform "cpu".
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_causal_conv1d_fwd_cpu(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_causal_conv1d_fwd` for platform "CUDA". Runs on XLA's stream, allocates
+// nothing and never synchronizes (the copy of a non-aliased state is an async device copy), so it is
+// safe in CUDA graphs (command buffers).
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_causal_conv1d_fwd_cuda(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_causal_conv1d_bwd` (causal conv1d backward) for platform "cpu".
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_causal_conv1d_bwd_cpu(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_causal_conv1d_bwd` for platform "CUDA". Runs on XLA's stream, allocates
+// nothing and never synchronizes (the copy of a non-aliased state is an async device copy), so it is
+// safe in CUDA graphs (command buffers).
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_causal_conv1d_bwd_cuda(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_causal_conv1d_update` (causal conv1d update (conv state in place)) for platform "cpu".
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_causal_conv1d_update_cpu(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_causal_conv1d_update` for platform "CUDA". Runs on XLA's stream, allocates
+// nothing and never synchronizes (the copy of a non-aliased state is an async device copy), so it is
+// safe in CUDA graphs (command buffers).
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_causal_conv1d_update_cuda(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_mamba_decode_step` (fused decode step (conv update + SiLU + state update + gate)) for platform "cpu".
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_mamba_decode_step_cpu(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_mamba_decode_step` for platform "CUDA". Runs on XLA's stream, allocates
+// nothing and never synchronizes (the copy of a non-aliased state is an async device copy), so it is
+// safe in CUDA graphs (command buffers).
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_mamba_decode_step_cuda(XLA_FFI_CallFrame *call_frame);
 
 #ifdef __cplusplus
 }  // extern "C"

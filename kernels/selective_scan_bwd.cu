@@ -13,11 +13,22 @@
 // in shared memory, and across blocks by a second kernel; sums over the batch (dA, dD, ddelta_bias,
 // time-invariant dB/dC) by that kernel too. Every sum has a fixed order: the gradients are bitwise
 // deterministic. Two exponentials per (step, state) (the tile's forward pass and the recompute),
-// plus a part of one for chunks longer than a tile.
+// plus a part of one for chunks longer than a tile. When batch x dim gives too few blocks to fill the
+// GPU, the sequence is split in parts scanned in parallel: a first pass runs the g recurrence alone
+// per part (one exponential per (step, state)) and records where it ends, and each part's block
+// carries the true g in from the records of the parts after it.
 #include "selective_scan.cuh"
 
+// Tuning knobs (bench/bwd_check.sh builds variants with -D; src/ops/selective_scan/cuda_bwd.rs
+// mirrors the tile steps in its shared-memory size).
 #ifndef SSB_MIN_BLOCKS
 #define SSB_MIN_BLOCKS 2
+#endif
+#ifndef SSB_TILE_STEPS
+#define SSB_TILE_STEPS 32
+#endif
+#ifndef SSB_PIECE_STEPS
+#define SSB_PIECE_STEPS 4
 #endif
 constexpr int kBwdThreads = 128;
 constexpr int kBwdWarps = kBwdThreads / 32;
@@ -26,12 +37,12 @@ template <int TPC> struct BwdShape {
     static constexpr int K = 8;                  // states per thread
     static constexpr int NMAX = K * TPC;         // states per channel
     static constexpr int CB = kBwdThreads / TPC; // channels per block
-    static constexpr int S = 32;                 // steps per tile (divides checkpoint_len)
-    static constexpr int SUB = 4;                // steps recomputed into registers at a time
+    static constexpr int S = SSB_TILE_STEPS;     // steps per tile (divides checkpoint_len)
+    static constexpr int SUB = SSB_PIECE_STEPS;  // steps recomputed into registers at a time
     static constexpr int NSUB = S / SUB;
     static constexpr int P = S + 1;              // pitch of the per-(channel, step) rows
     // Steps of dB/dC warp partials gathered before the block sums them.
-    static constexpr int FLUSH = NMAX <= 32 ? 16 : NMAX <= 64 ? 8 : 4;
+    static constexpr int FLUSH = NMAX <= 32 ? (S < 16 ? S : 16) : NMAX <= 64 ? 8 : 4;
     // Shared memory, in floats: five [CB][P] rows (u then du, dt then ddelta, softplus' derivative,
     // dy, dz's factor then dz); B and C [S][NMAX]; the piece starts [NSUB][K][threads]; the warps'
     // dB/dC partials [warps][FLUSH][2][NMAX]; then the tile starts [tiles][K][threads]. Two blocks
@@ -94,7 +105,12 @@ __device__ __forceinline__ int reduce_scatter_channels(float (&v)[8], int lane, 
     return count;
 }
 
-template <typename T, typename TB, int TPC, bool kVaryingBC>
+// kLocal: the first pass of a sequence split (p.n_chunks parts of p.chunk_len steps, a whole number
+// of checkpoint chunks each). Block (tile, b, z) runs the g recurrence alone over part z + 1 from
+// g = 0 and records where it ends (g entering the part before) and the part's sum of dt (its decay
+// of an incoming g, exp(A * sum dt)). Otherwise block (tile, b, z) does part z, starting from the
+// g that the records of the parts after it carry in.
+template <typename T, typename TB, int TPC, bool kVaryingBC, bool kLocal>
 __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdParams& q) {
     using Sh = BwdShape<TPC>;
     constexpr int K = Sh::K, NMAX = Sh::NMAX, CB = Sh::CB, S = Sh::S, SUB = Sh::SUB, P = Sh::P;
@@ -110,7 +126,7 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
     if (shared_bytes < (Sh::kTileStart + (p.checkpoint_len + S - 1) / S * Sh::kTileStartFloats) * sizeof(float)) __trap();
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int c = tid / TPC, part = tid % TPC, n0 = part * K;
+    const int c = tid / TPC, thread_part = tid % TPC, n0 = thread_part * K;
     const int perm = state_perm<TPC>(lane);
     const int64_t b = blockIdx.y;
     // Blocks tile each group's channels (time-invariant B/C: one group of all channels).
@@ -160,7 +176,7 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
     // (forward_only) what a forward pass reads: u, dt, B. Every global load is issued before the
     // first use, so that their latencies overlap.
     auto stage = [&](int64_t l0, int steps, bool forward_only) {
-        constexpr int kItems = CB * S / kBwdThreads;
+        constexpr int kItems = (CB * S + kBwdThreads - 1) / kBwdThreads;
         T ru[kItems], rdelta[kItems], rz[kItems], rdout[kItems];
         float rbias[kItems];
 #pragma unroll
@@ -168,7 +184,7 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
             const int i = j * kBwdThreads + tid;
             const int r = time_contiguous ? i / S : i % CB;
             const int t = time_contiguous ? i % S : i / CB;
-            const bool in = r < rows && t < steps;
+            const bool in = i < CB * S && r < rows && t < steps;
             const int64_t xi = x_base + r * p.x_stride_dim + (l0 + t) * p.x_stride_seq;
             const T zero = from_f32<T>(0.f);
             ru[j] = in ? u_g[xi] : zero;
@@ -184,6 +200,7 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
             const int i = j * kBwdThreads + tid;
             const int r = time_contiguous ? i / S : i % CB;
             const int t = time_contiguous ? i % S : i / CB;
+            if (CB * S % kBwdThreads != 0 && i >= CB * S) break;
             const bool in = r < rows && t < steps;
             const float x = to_f32(rdelta[j]) + rbias[j];
             // Outside the tile dt = 0 (decay 1, no input): the recompute may run past its end.
@@ -236,18 +253,63 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
         for (int k = 0; k < K; ++k) h[k] = fmaf(ex2_ftz(dt * a2[k]), h[k], dtu * Bt[k]);
     };
 
-    float* dB_part = p.workspace;  // see bwd_workspace_layout in src/ops/selective_scan/cuda_bwd.rs
-    const int64_t bc_part = kVaryingBC ? p.batch * (p.dim / group_dim) * tiles_per_group * L * N : BD * N;
+    // The workspace (BwdLayout in src/ops/selective_scan/mod.rs): dB and dC partials (per block and
+    // step when time-varying, else per part and row), per-part-and-row dA, dD and ddelta_bias
+    // partials, then the split's records [n_split - 1][batch][dim][dstate + 1].
+    const int64_t n_split = p.n_chunks, z = blockIdx.z;
+    float* dB_part = p.workspace;
+    const int64_t bc_part = kVaryingBC ? p.batch * (p.dim / group_dim) * tiles_per_group * L * N : n_split * BD * N;
     float* dC_part = dB_part + bc_part;
     float* dA_part = dC_part + bc_part;
-    float* dD_part = dA_part + BD * N;
-    float* dbias_part = dD_part + BD;
+    float* dD_part = dA_part + n_split * BD * N;
+    float* dbias_part = dD_part + n_split * BD;
+    float* records = dbias_part + n_split * BD;
     // This block's rows of the time-varying dB/dC partials: [l][n].
     const int64_t block_part = ((b * (p.dim / group_dim) + group) * tiles_per_group + tile_in_group) * L * N;
+    const int64_t row = b * p.dim + d;
 
     const int64_t n_checkpoints = checkpoint_count(p);
+    const int64_t part_checkpoints = n_split > 1 ? p.chunk_len / p.checkpoint_len : n_checkpoints;
+    const int64_t part = kLocal ? z + 1 : z;
+    const int64_t ck_begin = part * part_checkpoints, ck_end = min(n_checkpoints, ck_begin + part_checkpoints);
+
+    if constexpr (kLocal) {
+        float dt_sum = 0.f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) g[k] = 0.f;  // the part's own contribution: no dfinal_state
+        const int64_t l_begin = ck_begin * p.checkpoint_len, l_end = min(L, ck_end * p.checkpoint_len);
+        for (int64_t l0 = l_begin + (l_end - l_begin - 1) / S * S; l0 >= l_begin; l0 -= S) {
+            const int steps = int(min(int64_t(S), l_end - l0));
+            __syncthreads();
+            stage(l0, steps, false);
+            __syncthreads();
+            for (int t = steps - 1; t >= 0; --t) {
+                const float dt = s_dt[c * P + t], dy = s_dy[c * P + t];
+                float Bt[K], Ct[K];
+                load_bc(t, Bt, Ct, true);
+                dt_sum += dt;
+#pragma unroll
+                for (int k = 0; k < K; ++k) g[k] = ex2_ftz(dt * a2[k]) * fmaf(Ct[k], dy, g[k]);
+            }
+        }
+        if (!active) return;
+        float* record = records + ((part - 1) * BD + row) * (N + 1);
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+            if (valid[k]) record[n0 + (k ^ perm)] = g[k];
+        if (thread_part == 0) record[N] = dt_sum;
+        return;
+    }
+    // g entering this part: dfinal_state carried through the parts after it.
+    for (int64_t j = n_split - 1; j > part; --j) {
+        const float* record = records + ((j - 1) * BD + row) * (N + 1);
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+            if (valid[k]) g[k] = fmaf(ex2_ftz(record[N] * a2[k]), g[k], record[n0 + (k ^ perm)]);
+    }
+
     const float* checkpoints = p.checkpoints + (b * p.dim + d) * n_checkpoints * N;
-    for (int64_t chunk = n_checkpoints - 1; chunk >= 0; --chunk) {
+    for (int64_t chunk = ck_end - 1; chunk >= ck_begin; --chunk) {
         const int64_t c_begin = chunk * p.checkpoint_len, c_end = min(L, c_begin + p.checkpoint_len);
         const int tiles = int((c_end - c_begin + S - 1) / S);
         float h[K];
@@ -301,7 +363,7 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                         y2[k % 2] = fmaf(Ct[k], hp[i][k], y2[k % 2]);
                     }
                     const float y = sum_channel<TPC>(y2[0] + y2[1]);
-                    if (part == 0 && p.z) s_dzf[c * P + t] *= fmaf(skip, u, y);
+                    if (thread_part == 0 && p.z) s_dzf[c * P + t] *= fmaf(skip, u, y);
                 }
                 // The gradient recurrence over the piece, backwards.
 #pragma unroll
@@ -327,7 +389,7 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                     const float gb = sum_channel<TPC>(gb2[0] + gb2[1]);
                     const float ddt = fmaf(u, gb, sum_channel<TPC>(ddt_a[0] + ddt_a[1]));
                     const float du = fmaf(dt, gb, skip * dy);
-                    if (part == 0 && active) {
+                    if (thread_part == 0 && active) {
                         const float ddelta = ddt * s_sig[c * P + t];
                         // u and dt of this step have been read by all the channel's threads (the shuffles).
                         s_u[c * P + t] = du;
@@ -391,19 +453,18 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
     }
 
     if (!active) return;
-    const int64_t row = b * p.dim + d;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         if (!valid[k]) continue;
-        const int64_t at = row * N + n0 + (k ^ perm);
+        const int64_t at = (z * BD + row) * N + n0 + (k ^ perm);
         dA_part[at] = dA[k];
-        if (q.dinitial_state) q.dinitial_state[at] = g[k];
+        if (q.dinitial_state && z == 0) q.dinitial_state[row * N + n0 + (k ^ perm)] = g[k];
         if constexpr (!kVaryingBC) {
             dB_part[at] = db_inv[k];
             dC_part[at] = dc_inv[k];
         }
     }
-    if (part == 0) dD_part[row] = dD, dbias_part[row] = dbias;
+    if (thread_part == 0) dD_part[z * BD + row] = dD, dbias_part[z * BD + row] = dbias;
 }
 
 // Arguments of the reductions; mirror of `BwdReduceParams` in src/ops/selective_scan/cuda_bwd.rs.
@@ -445,14 +506,15 @@ __device__ __forceinline__ void selective_scan_bwd_reduce_params(const Selective
     const float* dB_part = p.workspace;
     const float* dC_part = dB_part + r.bc_part;
     const float* dA_part = dC_part + r.bc_part;
-    const float* dD_part = dA_part + BD * N;
-    const float* dbias_part = dD_part + BD;
+    const int64_t rows = p.n_chunks * p.batch;  // partials of every part of the sequence split and batch row
+    const float* dD_part = dA_part + rows * p.dim * N;
+    const float* dbias_part = dD_part + rows * p.dim;
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.dim * per_channel;
          i += int64_t(gridDim.x) * blockDim.x) {
         const int64_t d = i / per_channel, n = i % per_channel;
         if (n < N) {
             float sa = 0.f, sb = 0.f, sc = 0.f;
-            for (int64_t b = 0; b < p.batch; ++b) {
+            for (int64_t b = 0; b < rows; ++b) {
                 sa += dA_part[b * DN + i];
                 if (!r.varying_bc) sb += dB_part[b * DN + i], sc += dC_part[b * DN + i];
             }
@@ -465,21 +527,25 @@ __device__ __forceinline__ void selective_scan_bwd_reduce_params(const Selective
         }
         if (n == 0) {
             float sd = 0.f, sbias = 0.f;
-            for (int64_t b = 0; b < p.batch; ++b) sd += dD_part[b * p.dim + d], sbias += dbias_part[b * p.dim + d];
+            for (int64_t b = 0; b < rows; ++b) sd += dD_part[b * p.dim + d], sbias += dbias_part[b * p.dim + d];
             if (q.dD) q.dD[d] = sd;
             if (q.ddelta_bias) q.ddelta_bias[d] = sbias;
         }
     }
 }
 
-// selective_scan_bwd_tiled_<T>_<TB>_tpc<TPC>_<varying|invariant>: kBwdThreads threads, a (blocks of
-// channels, batch) grid, BwdShape<TPC> shared memory (the tile starts sized by the chunk's tiles).
-#define SSB_TILED_ONE(T, TB, TPC, VARYING, FORM)                                                               \
-    extern "C" __global__ void __launch_bounds__(kBwdThreads, SSB_MIN_BLOCKS)                                               \
-        selective_scan_bwd_tiled_##T##_##TB##_tpc##TPC##_##FORM(const SelectiveScanBwdParams q) {              \
-        selective_scan_bwd_tiled<T, TB, TPC, VARYING>(q);                                                      \
+// selective_scan_bwd_tiled[_local]_<T>_<TB>_tpc<TPC>_<varying|invariant>: kBwdThreads threads, a
+// (blocks of channels, batch, parts of the split) grid (parts - 1 for _local), BwdShape<TPC> shared
+// memory (the tile starts sized by the chunk's tiles).
+#define SSB_TILED_ONE(NAME, T, TB, TPC, VARYING, LOCAL)                                                          \
+    extern "C" __global__ void __launch_bounds__(kBwdThreads, SSB_MIN_BLOCKS) NAME(const SelectiveScanBwdParams q) { \
+        selective_scan_bwd_tiled<T, TB, TPC, VARYING, LOCAL>(q);                                                 \
     }
-#define SSB_TILED(T, TB, TPC) SSB_TILED_ONE(T, TB, TPC, true, varying) SSB_TILED_ONE(T, TB, TPC, false, invariant)
+#define SSB_TILED(T, TB, TPC)                                                                                    \
+    SSB_TILED_ONE(selective_scan_bwd_tiled_##T##_##TB##_tpc##TPC##_varying, T, TB, TPC, true, false)             \
+    SSB_TILED_ONE(selective_scan_bwd_tiled_##T##_##TB##_tpc##TPC##_invariant, T, TB, TPC, false, false)          \
+    SSB_TILED_ONE(selective_scan_bwd_tiled_local_##T##_##TB##_tpc##TPC##_varying, T, TB, TPC, true, true)        \
+    SSB_TILED_ONE(selective_scan_bwd_tiled_local_##T##_##TB##_tpc##TPC##_invariant, T, TB, TPC, false, true)
 #define SSB_ALL_TPC(T, TB) \
     SSB_TILED(T, TB, 2) SSB_TILED(T, TB, 4) SSB_TILED(T, TB, 8) SSB_TILED(T, TB, 16) SSB_TILED(T, TB, 32)
 // selective_scan_bwd_reduce_{bc,params}_<TB>: any 1-D launch (grid-stride loops).

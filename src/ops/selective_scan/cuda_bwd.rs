@@ -2,7 +2,7 @@
 //! leaves per-block partial sums in the workspace, then two reductions that sum them in a fixed
 //! order (so the gradients are bitwise deterministic).
 
-use super::{bwd_layout, Bwd, BwdParams, CHECKPOINT_MULTIPLE as TILE_STEPS};
+use super::{bwd_layout, Bwd, BwdParams, FwdParams, CHECKPOINT_MULTIPLE as TILE_STEPS};
 use crate::cuda::{launch, LaunchConfig};
 use crate::error::{Error, Result};
 use std::ffi::c_void;
@@ -50,7 +50,7 @@ fn shared_bytes(threads_per_channel: i64, tiles_per_chunk: i64) -> u32 {
 
 pub(super) fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
     let p = &bwd.params.fwd;
-    let layout = bwd_layout(p.batch, p.dim, p.seqlen, p.dstate, bwd.groups);
+    let layout = bwd_layout(p.batch, p.dim, p.seqlen, p.dstate, bwd.groups, p.checkpoint_len);
     let needed = layout.floats * 4;
     if needed > 0 && (p.workspace.is_null() || bwd.workspace_bytes < needed) {
         return Err(Error::invalid(format!(
@@ -74,14 +74,26 @@ pub(super) fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
             p.dstate, p.checkpoint_len
         )));
     }
+    // The sequence split rides in the forward's split fields: parts of chunk_len steps.
+    let params = BwdParams {
+        fwd: FwdParams { chunk_len: layout.part_len, n_chunks: layout.n_split, ..bwd.params.fwd },
+        ..bwd.params
+    };
     let form = if bwd.bc_time_varying { "varying" } else { "invariant" };
-    let tiled =
-        LaunchConfig { grid: (layout.blocks_per_row as u64, p.batch as u64, 1), block: THREADS, shared_bytes: shared };
-    let kernel = format!("selective_scan_bwd_tiled_{}_{}_tpc{tpc}_{form}", bwd.dtype.name(), bwd.bc_dtype.name());
-    launch(stream, "selective_scan_bwd", &kernel, tiled, &bwd.params)?;
+    let types = format!("{}_{}_tpc{tpc}_{form}", bwd.dtype.name(), bwd.bc_dtype.name());
+    let tiled = |parts: i64| LaunchConfig {
+        grid: (layout.blocks_per_row as u64, p.batch as u64, parts as u64),
+        block: THREADS,
+        shared_bytes: shared,
+    };
+    if layout.n_split > 1 {
+        let local = format!("selective_scan_bwd_tiled_local_{types}");
+        launch(stream, "selective_scan_bwd", &local, tiled(layout.n_split - 1), &params)?;
+    }
+    launch(stream, "selective_scan_bwd", &format!("selective_scan_bwd_tiled_{types}"), tiled(layout.n_split), &params)?;
 
     let reduce = BwdReduceParams {
-        q: bwd.params,
+        q: params,
         tiles_per_group: layout.tiles_per_group,
         bc_part: layout.bc_part_floats,
         groups: bwd.groups.max(1),

@@ -196,34 +196,54 @@ pub struct BwdLayout {
     /// Blocks per batch row: each takes up to 128 / threads_per_channel channels of one group.
     pub blocks_per_row: i64,
     pub tiles_per_group: i64,
+    /// Parts of the sequence split (1: none), each of `part_len` steps (a whole number of
+    /// checkpoint chunks).
+    pub n_split: i64,
+    pub part_len: i64,
     /// f32s of each of the dB and dC partial sums.
     pub bc_part_floats: i64,
-    /// f32s of the whole workspace: dB, dC, dA, dD and ddelta_bias partials.
+    /// f32s of the whole workspace: dB, dC, dA, dD and ddelta_bias partials, the split's records.
     pub floats: i64,
 }
 
-/// The CUDA backward's blocking for a shape (`groups` = 0: time-invariant B/C).
-pub fn bwd_layout(batch: i64, dim: i64, seqlen: i64, dstate: i64, groups: i64) -> BwdLayout {
+/// The CUDA backward's blocking for a shape (`groups` = 0: time-invariant B/C). Without a
+/// `checkpoint_len` (0) the split is sized for the most parts any checkpoint_len could give, which
+/// is what the workspace must hold.
+pub fn bwd_layout(batch: i64, dim: i64, seqlen: i64, dstate: i64, groups: i64, checkpoint_len: i64) -> BwdLayout {
     let threads_per_channel = (((dstate + 7) / 8).max(2) as u64).next_power_of_two() as i64;
     let channels = BWD_THREADS / threads_per_channel;
     let (n_groups, group_dim) = if groups > 0 { (groups, dim / groups) } else { (1, dim) };
     let tiles_per_group = (group_dim + channels - 1) / channels;
+    let blocks = n_groups * tiles_per_group * batch;
+    // As the forward: a small batch x dim leaves the GPU idle, so the sequence is cut into parts.
+    let chunks = n_checkpoints(seqlen, if checkpoint_len > 0 { checkpoint_len } else { CHECKPOINT_MULTIPLE });
+    let (n_split, part_len) = if blocks == 0 || 2 * blocks >= SPLIT_TARGET_BLOCKS || chunks < 2 {
+        (1, chunks * checkpoint_len.max(CHECKPOINT_MULTIPLE))
+    } else {
+        let want = ((SPLIT_TARGET_BLOCKS + blocks - 1) / blocks).min(chunks);
+        let per_part = (chunks + want - 1) / want;
+        ((chunks + per_part - 1) / per_part, per_part * checkpoint_len.max(CHECKPOINT_MULTIPLE))
+    };
+    let rows = batch * dim;
     let bc_part_floats =
-        if groups > 0 { batch * groups * tiles_per_group * seqlen * dstate } else { batch * dim * dstate };
+        if groups > 0 { batch * groups * tiles_per_group * seqlen * dstate } else { n_split * rows * dstate };
     BwdLayout {
         threads_per_channel,
         blocks_per_row: n_groups * tiles_per_group,
         tiles_per_group,
+        n_split,
+        part_len,
         bc_part_floats,
-        floats: 2 * bc_part_floats + batch * dim * dstate + 2 * batch * dim,
+        floats: 2 * bc_part_floats + n_split * (rows * dstate + 2 * rows) + (n_split - 1) * rows * (dstate + 1),
     }
 }
 
 /// Bytes of workspace the CUDA backward needs (`groups` = 0 for time-invariant B/C): per-block
-/// partial sums of dB and dC (per (batch, channel) ones when B/C are time-invariant), of dA, and of
-/// dD and ddelta_bias, which two small kernels then reduce in a fixed order. Depends on the shape only.
+/// partial sums of dB and dC (per (part, batch, channel) ones when B/C are time-invariant), of dA,
+/// and of dD and ddelta_bias, which two small kernels then reduce in a fixed order, and the records
+/// of the sequence split. Depends on the shape only.
 pub fn bwd_workspace_bytes(batch: i64, dim: i64, seqlen: i64, dstate: i64, groups: i64) -> i64 {
-    4 * bwd_layout(batch, dim, seqlen, dstate, groups).floats
+    4 * bwd_layout(batch, dim, seqlen, dstate, groups, 0).floats
 }
 
 fn opt_ptr(t: Option<&Tensor>) -> *const c_void {
