@@ -323,12 +323,19 @@ fn host_backward_round_trip() {
     }
 }
 
-/// The backward's workspace size: the formula of docs/selective_scan_bwd.md's CUDA backward.
+/// The backward's workspace size: the layout of the CUDA backward (BwdLayout in
+/// src/ops/selective_scan/mod.rs).
 #[test]
 fn bwd_workspace_bytes() {
-    // groups 0: 2 b d n + b d n + 2 b d floats.
-    assert_eq!(xla_ssm_selective_scan_bwd_workspace_bytes(2, 8, 40, 4, 0), 4 * (2 * 64 + 64 + 32));
-    // groups 2 of 100 channels: 2 tiles of 64 channels each.
+    // groups 0, 2 blocks: the sequence splits into 2 parts (one 32-step checkpoint chunk each), so
+    // per part and row: n floats each of dB, dC, dA and one each of dD, ddelta_bias; and a record of
+    // n + 1 floats per row for the second part.
+    let (parts, rows, n) = (2, 16, 4);
+    assert_eq!(
+        xla_ssm_selective_scan_bwd_workspace_bytes(2, 8, 40, 4, 0),
+        4 * (2 * parts * rows * n + parts * (rows * n + 2 * rows) + (parts - 1) * rows * (n + 1))
+    );
+    // groups 2 of 100 channels: 2 tiles of 64 channels each; 10 steps: one checkpoint chunk, no split.
     assert_eq!(
         xla_ssm_selective_scan_bwd_workspace_bytes(1, 200, 10, 16, 2),
         4 * (2 * 2 * 2 * 16 * 10 + 200 * 16 + 400)
