@@ -533,10 +533,6 @@ fn update_tensors(a: &XlaSsmStateUpdateArgs) -> crate::error::Result<[Tensor; 11
     ])
 }
 
-fn nonnull(t: &Tensor) -> Option<&Tensor> {
-    (!t.data.is_null()).then_some(t)
-}
-
 fn update_args(t: &[Tensor; 11], softplus: bool) -> crate::ops::state_update::UpdateArgs<'_> {
     crate::ops::state_update::UpdateArgs {
         state: &t[0],
@@ -545,10 +541,10 @@ fn update_args(t: &[Tensor; 11], softplus: bool) -> crate::ops::state_update::Up
         a: &t[3],
         b: &t[4],
         c: &t[5],
-        d: nonnull(&t[6]),
-        z: nonnull(&t[7]),
-        dt_bias: nonnull(&t[8]),
-        state_batch_indices: nonnull(&t[9]),
+        d: some(&t[6]),
+        z: some(&t[7]),
+        dt_bias: some(&t[8]),
+        state_batch_indices: some(&t[9]),
         out: &t[10],
         state_out: &t[0],
         dt_softplus: softplus,
@@ -579,7 +575,7 @@ fn decode_step(args: *const XlaSsmDecodeStepArgs, platform: Platform) -> crate::
         x: u.x,
         conv_state: &conv_state,
         conv_weight: &weight,
-        conv_bias: nonnull(&bias),
+        conv_bias: some(&bias),
         ssm_state: u.state,
         dt: u.dt,
         a: u.a,

@@ -2,12 +2,12 @@
 //! leaves per-block partial sums in the workspace, then two reductions that sum them in a fixed
 //! order (so the gradients are bitwise deterministic).
 
-use super::{bwd_layout, Bwd, BwdParams, FwdParams, CHECKPOINT_MULTIPLE as TILE_STEPS};
+use super::{bwd_layout, Bwd, BwdParams, FwdParams, BWD_THREADS, CHECKPOINT_MULTIPLE as TILE_STEPS};
 use crate::cuda::{launch, LaunchConfig};
 use crate::error::{Error, Result};
 use std::ffi::c_void;
 
-const THREADS: u32 = 128;
+const THREADS: u32 = BWD_THREADS as u32;
 const REDUCE_THREADS: u32 = 256;
 /// Grid-stride reductions: enough blocks to fill an H100 a few times over.
 const REDUCE_MAX_BLOCKS: i64 = 4096;

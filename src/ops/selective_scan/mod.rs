@@ -186,7 +186,7 @@ pub fn n_checkpoints(seqlen: i64, checkpoint_len: i64) -> i64 {
 /// Longest checkpoint_len the CUDA backward takes (a chunk's tile starts live in shared memory).
 pub const BWD_MAX_CHECKPOINT_LEN: i64 = 256;
 /// Threads of a CUDA backward block (`kBwdThreads`).
-const BWD_THREADS: i64 = 128;
+pub(super) const BWD_THREADS: i64 = 128;
 
 /// How the CUDA backward blocks a problem (kernels/selective_scan_bwd.cu), which sizes its workspace.
 #[derive(Debug, Clone, Copy)]
