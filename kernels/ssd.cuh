@@ -7,7 +7,7 @@
 //   y_t   = S_t C[b,t,g,:] + D x[b,t,h,:]        (D[h], or D[h,p] when D_per_channel)
 //   y_t  *= silu(z[b,t,h,:])                      when z is given
 // S_{-1} = initial_states[b,h] (zero when null). The result does not depend on chunk_size except
-// through rounding; chunk_size fixes the layout of chunk_states (the state entering each chunk).
+// through rounding; chunk_size (32, 64, 128 or 256) fixes the layout of chunk_states (the state entering each chunk).
 #pragma once
 #include "common.cuh"
 
@@ -24,9 +24,9 @@ struct SsdParams {
     const float* initial_states;  // (batch, heads, headdim, dstate), or null
     void* y;                      // (batch, seqlen, heads, headdim) T
     float* final_states;          // (batch, heads, headdim, dstate), or null
-    // (batch, n_chunks, heads, headdim, dstate), n_chunks = ceil(seqlen / chunk_size): the state
-    // entering each chunk (chunk 0: the initial state). Written by the forward when non-null; read by
-    // the backward.
+    // (batch, heads, headdim, n_chunks, dstate), n_chunks = ceil(seqlen / chunk_size): the state
+    // entering each chunk (chunk 0: the initial state); the selective scan's checkpoint layout, with
+    // dim = heads x headdim. Written by the forward when non-null; read by the backward.
     float* chunk_states;
     // Scratch from the host (size: the launcher's workspace function); contents undefined afterwards.
     void* workspace;
