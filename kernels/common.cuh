@@ -8,6 +8,8 @@ typedef __nv_bfloat16 bf16;
 typedef __half f16;
 typedef float f32;
 
+constexpr float kLog2e = 1.4426950408889634f;
+
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_f32(f16 x) { return __half2float(x); }

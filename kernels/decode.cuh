@@ -52,7 +52,6 @@ struct DecodeParams {
     int64_t width;
 };
 
-constexpr float kLog2e = 1.4426950408889634f;
 
 template <int Bytes> struct Raw;
 template <> struct Raw<16> { typedef int4 type; };

@@ -49,8 +49,6 @@ struct SelectiveScanBwdParams {
 };
 static_assert(sizeof(SelectiveScanBwdParams) == sizeof(SelectiveScanFwdParams) + 11 * 8, "mirror of BwdParams");
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 __device__ __forceinline__ int64_t checkpoint_count(const SelectiveScanFwdParams& p) {
     return p.checkpoint_len > 0 ? (p.seqlen + p.checkpoint_len - 1) / p.checkpoint_len : 0;
 }

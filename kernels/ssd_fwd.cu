@@ -1,0 +1,409 @@
+// Mamba-2 SSD forward on tensor cores (docs/ssd.md): bf16 / f16 inputs, headdim 64, dstate 64 or 128,
+// chunk_size a multiple of 64. src/ops/ssd/cuda.rs takes it where it applies; the generic path covers
+// the rest.
+//
+// One block of 4 warps scans one (batch, head) through the sequence in tiles of 64 steps, the state S
+// (headdim x dstate, f32) living in the warps' mma accumulators (warp w: rows p = 16w..16w+15). Per
+// tile, with cum_t the running sum of dt * A inside the tile (log2 units):
+//   y  = diag(2^cum) C S^T  +  ((C B^T) o M) x,   M[t, s] = 2^(cum_t - cum_s) dt_s for s <= t, else 0
+//   S <- 2^cum_last S  +  (w o x)^T B,             w_s = 2^(cum_last - cum_s) dt_s
+// (warp w: rows t = 16w..16w+15 of y; the masked C B^T never leaves registers: its accumulators are
+// the A operand of the product with x). Inputs stream through shared memory by cp.async, one tile
+// ahead. S enters the y products rounded to T, as the products themselves take T operands.
+//
+// Sequence split (few batch x heads): pass 1 (`_local`) runs parts 0..n_parts-2 from a zero state and
+// records each part's end state and total decay in the workspace; pass 2 runs every part, starting
+// from the initial state folded through the records of the parts before it.
+#include "ssd.cuh"
+
+namespace ssd_mma {
+
+constexpr int kQ = 64;  // steps per tile
+constexpr int kP = 64;  // headdim
+constexpr int kThreads = 128;
+
+template <typename T> struct Ops;
+template <> struct Ops<bf16> {
+    using T2 = __nv_bfloat162;
+    static __device__ __forceinline__ T2 pack2(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
+    static __device__ __forceinline__ float2 unpack2(T2 v) { return __bfloat1622float2(v); }
+    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <> struct Ops<f16> {
+    using T2 = __half2;
+    static __device__ __forceinline__ T2 pack2(float lo, float hi) { return __floats2half2_rn(lo, hi); }
+    static __device__ __forceinline__ float2 unpack2(T2 v) { return __half22float2(v); }
+    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+template <typename T> __device__ __forceinline__ uint32_t pack_u32(float lo, float hi) {
+    typename Ops<T>::T2 v = Ops<T>::pack2(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+// 16 bytes global -> shared; zero-filled when !valid (src must still be a mapped address).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// Tiles are row-major with rows padded by 16 bytes: the 8 row addresses of an ldmatrix then start 4
+// banks apart (conflict-free), and each lane's addresses are a fixed base plus compile-time offsets.
+template <int COLS> __host__ __device__ constexpr int pitch() { return COLS + 8; }
+
+template <typename T, int N> struct Smem {
+    T x[2][kQ * pitch<kP>()];
+    T b[2][kQ * pitch<N>()];
+    T c[2][kQ * pitch<N>()];
+    T s[kP * pitch<N>()];  // the state entering the tile, rounded to T (the y products' operand)
+    float4 cd[kQ / 2];     // {cum_t, dt_t, cum_t+1, dt_t+1}: cum = running sum of dt * A * log2(e)
+    float2 w[kQ / 2];      // 2^(cum_last - cum_t) dt_t: the state update's weights
+    float ecum[kQ];        // 2^cum_t
+};
+
+// The thread's share of a (kP x N) f32 state held as accumulators: rows 16w + lane/4 (+8), columns
+// 8j + 2(lane%4) (+1). `f(acc_pair, row, col)` visits each adjacent pair.
+template <int N, typename F> __device__ __forceinline__ void for_state_pairs(float (&s)[N / 8][4], F f) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row = 16 * warp + lane / 4, col = 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+        f(&s[j][0], row, 8 * j + col);
+        f(&s[j][2], row + 8, 8 * j + col);
+    }
+}
+
+// Where this thread's cp.async chunks of a tile with COLS-element rows go: rows row0 + k * kRowStep.
+template <int COLS> struct TileCopy {
+    static constexpr int kChunksPerRow = COLS / 8;
+    static constexpr int kRowStep = kThreads / kChunksPerRow;
+    static constexpr int kPasses = kQ / kRowStep;
+    int row0, col;
+    __device__ TileCopy() : row0(threadIdx.x / kChunksPerRow), col((threadIdx.x % kChunksPerRow) * 8) {}
+};
+
+template <typename T, int N, bool LOCAL>
+__device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_per_part, int n_parts) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    Smem<T, N>& sm = *reinterpret_cast<Smem<T, N>*>(smem_raw);
+    using O = Ops<T>;
+    using T2 = typename O::T2;
+    constexpr int PX = pitch<kP>(), PN = pitch<N>();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int64_t bh = blockIdx.x, part = blockIdx.y;
+    const int64_t b = bh / p.heads, h = bh % p.heads, g = h / (p.heads / p.groups);
+    const int64_t n_tiles = (p.seqlen + kQ - 1) / kQ;
+    const int64_t tile_begin = part * tiles_per_part;
+    const int64_t tile_end = min(tile_begin + tiles_per_part, n_tiles);
+    const float a_log2 = p.A[h] * kLog2e;
+    const int64_t state_elems = int64_t(kP) * N;
+    float* records = static_cast<float*>(p.workspace);  // [n_parts - 1][batch * heads][kP][N]
+    float* record_decay = records + (n_parts - 1) * p.batch * p.heads * state_elems;
+
+    // The state entering the part.
+    float s[N / 8][4];
+    for_state_pairs<N>(s, [&](float* acc, int row, int col) {
+        float2 v = make_float2(0.f, 0.f);
+        if (!LOCAL && p.initial_states)
+            v = *reinterpret_cast<const float2*>(p.initial_states + bh * state_elems + row * N + col);
+        acc[0] = v.x;
+        acc[1] = v.y;
+    });
+    if (!LOCAL) {
+        for (int64_t q = 0; q < part; ++q) {
+            const float decay = exp2f(record_decay[q * p.batch * p.heads + bh]);
+            const float* rec = records + (q * p.batch * p.heads + bh) * state_elems;
+            for_state_pairs<N>(s, [&](float* acc, int row, int col) {
+                const float2 r = *reinterpret_cast<const float2*>(rec + row * N + col);
+                acc[0] = fmaf(decay, acc[0], r.x);
+                acc[1] = fmaf(decay, acc[1], r.y);
+            });
+        }
+    }
+
+    // D for the y epilogue's columns 8j + 2(lane%4) (+1).
+    float dskip[kP / 8][2];
+#pragma unroll
+    for (int j = 0; j < kP / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int col = 8 * j + 2 * (lane % 4) + e;
+            dskip[j][e] = p.D ? p.D[p.D_per_channel ? h * kP + col : h] : 0.f;
+        }
+
+    // Global sources of this thread's cp.async chunks, at step 0 of the sequence.
+    const TileCopy<kP> xcopy;
+    const TileCopy<N> bccopy;
+    const int64_t x_step = p.heads * kP, bc_step = p.groups * N;
+    const T* x_src = static_cast<const T*>(p.x) + ((b * p.seqlen + xcopy.row0) * p.heads + h) * kP + xcopy.col;
+    const int64_t bc_off = ((b * p.seqlen + bccopy.row0) * p.groups + g) * N + bccopy.col;
+    const T* b_src = static_cast<const T*>(p.B) + bc_off;
+    const T* c_src = static_cast<const T*>(p.C) + bc_off;
+    auto load_tile = [&](int buf, int64_t t0) {
+#pragma unroll
+        for (int k = 0; k < TileCopy<kP>::kPasses; ++k) {
+            const int row = xcopy.row0 + k * TileCopy<kP>::kRowStep;
+            const bool valid = t0 + row < p.seqlen;
+            cp_async16(&sm.x[buf][row * PX + xcopy.col], valid ? x_src + (t0 + k * TileCopy<kP>::kRowStep) * x_step : x_src,
+                       valid);
+        }
+#pragma unroll
+        for (int k = 0; k < TileCopy<N>::kPasses; ++k) {
+            const int row = bccopy.row0 + k * TileCopy<N>::kRowStep;
+            const bool valid = t0 + row < p.seqlen;
+            const int64_t off = valid ? (t0 + k * TileCopy<N>::kRowStep) * bc_step : 0;
+            cp_async16(&sm.b[buf][row * PN + bccopy.col], b_src + off, valid);
+            cp_async16(&sm.c[buf][row * PN + bccopy.col], c_src + off, valid);
+        }
+    };
+
+    // Warp 0 turns dt into the tile's scalars; lane l owns steps 2l and 2l + 1.
+    const T* dt_in = static_cast<const T*>(p.dt);
+    auto load_dt = [&](int64_t t0, float (&raw)[2]) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int64_t t = t0 + 2 * lane + e;
+            raw[e] = warp == 0 && t < p.seqlen ? to_f32(dt_in[(b * p.seqlen + t) * p.heads + h]) : 0.f;
+        }
+    };
+    float decay_sum = 0.f;  // log2 of the part's total decay (LOCAL records it)
+
+    // Per-lane ldmatrix bases (element offsets); the loops add compile-time offsets.
+    const int a_rows = lane & 15, a_cols = (lane >> 4) * 8;                               // A, row-major
+    const int bn_rows = (lane & 7) + ((lane >> 4) << 3), bn_cols = ((lane >> 3) & 1) * 8;  // B, n-major
+    const int bt_rows = (lane & 7) + ((lane >> 3) & 1) * 8, bt_cols = (lane >> 4) * 8;     // B, k-major
+    const int at_rows = (lane & 7) + (lane >> 4) * 8, at_cols = ((lane >> 3) & 1) * 8;     // A, k-major
+
+    if (tile_begin < tile_end) load_tile(int(tile_begin & 1), tile_begin * kQ);
+    cp_async_commit();
+    float dt_raw[2];
+    load_dt(tile_begin * kQ, dt_raw);
+
+    for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+        const int buf = int(tile & 1);
+        const int64_t t0 = tile * kQ;
+        if (warp == 0) {
+            // dt after bias/softplus/clamp (0 past the end: padding steps neither decay nor add).
+            float dt[2], a[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                dt[e] = t0 + 2 * lane + e < p.seqlen ? ssd_dt(p, dt_raw[e], h) : 0.f;
+                a[e] = dt[e] * a_log2;
+            }
+            float run = a[0] + a[1];
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const float other = __shfl_up_sync(0xffffffffu, run, o);
+                if (lane >= o) run += other;
+            }
+            const float c0 = run - a[1], c1 = run;
+            const float last = __shfl_sync(0xffffffffu, run, 31);
+            sm.cd[lane] = make_float4(c0, dt[0], c1, dt[1]);
+            sm.w[lane] = make_float2(exp2f(last - c0) * dt[0], exp2f(last - c1) * dt[1]);
+            sm.ecum[2 * lane] = exp2f(c0);
+            sm.ecum[2 * lane + 1] = exp2f(c1);
+        }
+        if (tile + 1 < tile_end) load_tile(buf ^ 1, t0 + kQ);
+        cp_async_commit();
+        load_dt(t0 + kQ, dt_raw);
+        cp_async_wait_one();
+        __syncthreads();
+
+        const float cum_last = sm.cd[kQ / 2 - 1].z;
+        decay_sum += cum_last;
+        const T* xs = sm.x[buf];
+        const T* bs = sm.b[buf];
+        const T* cs = sm.c[buf];
+        if (!LOCAL) {
+            // Residual for the backward pass: the state entering each chunk.
+            if (p.chunk_states && t0 % p.chunk_size == 0) {
+                const int64_t chunk = t0 / p.chunk_size, n_chunks = ssd_chunk_count(p);
+                for_state_pairs<N>(s, [&](float* acc, int row, int col) {
+                    float* dst = p.chunk_states + ((bh * kP + row) * n_chunks + chunk) * N + col;
+                    *reinterpret_cast<float2*>(dst) = make_float2(acc[0], acc[1]);
+                });
+            }
+            for_state_pairs<N>(s, [&](float* acc, int row, int col) {
+                *reinterpret_cast<T2*>(&sm.s[row * PN + col]) = O::pack2(acc[0], acc[1]);
+            });
+            __syncthreads();
+
+            // y for rows t = 16 warp + lane/4 (+8).
+            float y[kP / 8][4] = {};
+            float gm[kQ / 8][4] = {};
+            const T* c_lane = cs + (16 * warp + a_rows) * PN + a_cols;
+            const T* b_lane = bs + bn_rows * PN + bn_cols;
+            const T* s_lane = sm.s + bn_rows * PN + bn_cols;
+#pragma unroll
+            for (int kk = 0; kk < N / 16; ++kk) {
+                uint32_t a[4];
+                ldsm_x4(a, smem_addr(c_lane + 16 * kk));
+#pragma unroll
+                for (int pr = 0; pr < kQ / 16; ++pr) {
+                    if (pr > warp) break;  // causal: s <= t
+                    uint32_t bb[4];
+                    ldsm_x4(bb, smem_addr(b_lane + 16 * pr * PN + 16 * kk));
+                    O::mma(gm[2 * pr], a, bb[0], bb[1]);
+                    O::mma(gm[2 * pr + 1], a, bb[2], bb[3]);
+                }
+#pragma unroll
+                for (int pr = 0; pr < kP / 16; ++pr) {
+                    uint32_t bb[4];
+                    ldsm_x4(bb, smem_addr(s_lane + 16 * pr * PN + 16 * kk));
+                    O::mma(y[2 * pr], a, bb[0], bb[1]);
+                    O::mma(y[2 * pr + 1], a, bb[2], bb[3]);
+                }
+            }
+            const int t_lo = 16 * warp + lane / 4, t_hi = t_lo + 8;
+            const float e_lo = sm.ecum[t_lo], e_hi = sm.ecum[t_hi];
+            auto cum_of = [&](int t) {
+                const float4 v = sm.cd[t / 2];
+                return t & 1 ? v.z : v.x;
+            };
+            const float cum_t[2] = {cum_of(t_lo), cum_of(t_hi)};
+#pragma unroll
+            for (int j = 0; j < kP / 8; ++j) {
+                y[j][0] *= e_lo;
+                y[j][1] *= e_lo;
+                y[j][2] *= e_hi;
+                y[j][3] *= e_hi;
+            }
+            // Mask and decay C B^T, then y += M x, the accumulators turned into A fragments in place.
+            const T* x_lane = xs + bt_rows * PX + bt_cols;
+#pragma unroll
+            for (int kk = 0; kk < kQ / 16; ++kk) {
+                if (kk > warp) break;
+                uint32_t a[4];
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const float* acc = gm[2 * kk + half];
+                    const int s0 = 16 * kk + 8 * half + 2 * (lane % 4);
+                    const float4 cd = sm.cd[s0 / 2];  // {cum, dt} of s0 and s0 + 1
+                    float m[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int t = e < 2 ? t_lo : t_hi, sidx = s0 + (e & 1);
+                        const float cs_ = e & 1 ? cd.z : cd.x, dts = e & 1 ? cd.w : cd.y;
+                        m[e] = sidx <= t ? acc[e] * exp2f(cum_t[e >> 1] - cs_) * dts : 0.f;
+                    }
+                    a[2 * half] = pack_u32<T>(m[0], m[1]);
+                    a[2 * half + 1] = pack_u32<T>(m[2], m[3]);
+                }
+#pragma unroll
+                for (int pr = 0; pr < kP / 16; ++pr) {
+                    uint32_t bb[4];
+                    ldsm_x4_trans(bb, smem_addr(x_lane + 16 * kk * PX + 16 * pr));
+                    O::mma(y[2 * pr], a, bb[0], bb[1]);
+                    O::mma(y[2 * pr + 1], a, bb[2], bb[3]);
+                }
+            }
+            // y += D x, gate, store.
+            const T* z = static_cast<const T*>(p.z);
+            T* out = static_cast<T*>(p.y);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = half ? t_hi : t_lo;
+                const int64_t t = t0 + row;
+                if (t >= p.seqlen) continue;
+                const int64_t base = ((b * p.seqlen + t) * p.heads + h) * kP + 2 * (lane % 4);
+#pragma unroll
+                for (int j = 0; j < kP / 8; ++j) {
+                    const float2 xv = O::unpack2(*reinterpret_cast<const T2*>(&xs[row * PX + 8 * j + 2 * (lane % 4)]));
+                    float v0 = y[j][2 * half] + dskip[j][0] * xv.x;
+                    float v1 = y[j][2 * half + 1] + dskip[j][1] * xv.y;
+                    if (z) {
+                        const float2 zv = O::unpack2(*reinterpret_cast<const T2*>(z + base + 8 * j));
+                        v0 *= silu(zv.x);
+                        v1 *= silu(zv.y);
+                    }
+                    *reinterpret_cast<T2*>(out + base + 8 * j) = O::pack2(v0, v1);
+                }
+            }
+        }
+
+        // S <- 2^cum_last S + (w o x)^T B; w scales the k (= step) pairs of the A fragments.
+        const float decay = exp2f(cum_last);
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] *= decay;
+        const T* xt_lane = xs + at_rows * PX + 16 * warp + at_cols;
+        const T* bt_lane = bs + bt_rows * PN + bt_cols;
+#pragma unroll
+        for (int kk = 0; kk < kQ / 16; ++kk) {
+            uint32_t a[4];
+            ldsm_x4_trans(a, smem_addr(xt_lane + 16 * kk * PX));
+            const float2 w_lo = sm.w[8 * kk + lane % 4], w_hi = sm.w[8 * kk + 4 + lane % 4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const float2 w = r < 2 ? w_lo : w_hi;
+                const float2 v = O::unpack2(*reinterpret_cast<const T2*>(&a[r]));
+                a[r] = pack_u32<T>(v.x * w.x, v.y * w.y);
+            }
+#pragma unroll
+            for (int pr = 0; pr < N / 16; ++pr) {
+                uint32_t bb[4];
+                ldsm_x4_trans(bb, smem_addr(bt_lane + 16 * kk * PN + 16 * pr));
+                O::mma(s[2 * pr], a, bb[0], bb[1]);
+                O::mma(s[2 * pr + 1], a, bb[2], bb[3]);
+            }
+        }
+        __syncthreads();
+    }
+
+    if (LOCAL) {
+        float* rec = records + (part * p.batch * p.heads + bh) * state_elems;
+        for_state_pairs<N>(s, [&](float* acc, int row, int col) {
+            *reinterpret_cast<float2*>(rec + row * N + col) = make_float2(acc[0], acc[1]);
+        });
+        if (tid == 0) record_decay[part * p.batch * p.heads + bh] = decay_sum;
+    } else if (part == n_parts - 1 && p.final_states) {
+        for_state_pairs<N>(s, [&](float* acc, int row, int col) {
+            *reinterpret_cast<float2*>(p.final_states + bh * state_elems + row * N + col) =
+                make_float2(acc[0], acc[1]);
+        });
+    }
+}
+
+}  // namespace ssd_mma
+
+// extern "C" entry points ssd_fwd_mma[_local]_<T>_n<N>; grid (batch * heads, parts), kThreads threads,
+// sizeof(Smem<T, N>) bytes of dynamic shared memory.
+#define SSD_FWD_MMA(T, N)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                                           \
+        ssd_fwd_mma_##T##_n##N(const SsdParams p, int64_t tiles_per_part, int n_parts) {                         \
+        ssd_mma::ssd_fwd_mma<T, N, false>(p, tiles_per_part, n_parts);                                           \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                                           \
+        ssd_fwd_mma_local_##T##_n##N(const SsdParams p, int64_t tiles_per_part, int n_parts) {                   \
+        ssd_mma::ssd_fwd_mma<T, N, true>(p, tiles_per_part, n_parts);                                            \
+    }
+SSD_FWD_MMA(bf16, 64)
+SSD_FWD_MMA(bf16, 128)
+SSD_FWD_MMA(f16, 64)
+SSD_FWD_MMA(f16, 128)
