@@ -64,10 +64,10 @@ template <typename T, int N> struct Kern {
                            : (N == 64 ? ssd_fwd_mma_local_f16_n64 : ssd_fwd_mma_local_f16_n128);
         CK(cudaFuncSetAttribute(main_k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         CK(cudaFuncSetAttribute(local_k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        const int np = int(parts);
+        const SsdMmaParams a = {p, tpp, parts};
         if (parts > 1)
-            local_k<<<dim3(unsigned(p.batch * p.heads), unsigned(parts - 1)), ssd_mma::kThreads, smem, st>>>(p, tpp, np);
-        main_k<<<dim3(unsigned(p.batch * p.heads), unsigned(parts)), ssd_mma::kThreads, smem, st>>>(p, tpp, np);
+            local_k<<<dim3(unsigned(p.batch * p.heads), unsigned(parts - 1)), ssd_mma::kThreads, smem, st>>>(a);
+        main_k<<<dim3(unsigned(p.batch * p.heads), unsigned(parts)), ssd_mma::kThreads, smem, st>>>(a);
         CK(cudaGetLastError());
     }
 };

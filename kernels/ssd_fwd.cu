@@ -77,14 +77,19 @@ __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wai
 // banks apart (conflict-free), and each lane's addresses are a fixed base plus compile-time offsets.
 template <int COLS> __host__ __device__ constexpr int pitch() { return COLS + 8; }
 
+// Per-step scalars of a tile, from dt.
+struct TileScalars {
+    float4 cd[kQ / 2];  // {cum_t, dt_t, cum_t+1, dt_t+1}: cum = running sum of dt * A * log2(e)
+    float2 w[kQ / 2];   // 2^(cum_last - cum_t) dt_t: the state update's weights
+    float ecum[kQ];     // 2^cum_t
+};
+
 template <typename T, int N> struct Smem {
     T x[2][kQ * pitch<kP>()];
     T b[2][kQ * pitch<N>()];
     T c[2][kQ * pitch<N>()];
     T s[kP * pitch<N>()];  // the state entering the tile, rounded to T (the y products' operand)
-    float4 cd[kQ / 2];     // {cum_t, dt_t, cum_t+1, dt_t+1}: cum = running sum of dt * A * log2(e)
-    float2 w[kQ / 2];      // 2^(cum_last - cum_t) dt_t: the state update's weights
-    float ecum[kQ];        // 2^cum_t
+    TileScalars sc[2];     // of the tile in x/b/c[buf]
 };
 
 // The thread's share of a (kP x N) f32 state held as accumulators: rows 16 (w / 2) + lane/4 (+8),
@@ -184,63 +189,67 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
         }
     };
 
-    // Warp 0 turns dt into the tile's scalars; lane l owns steps 2l and 2l + 1.
+    // Warp 0 turns dt into a tile's scalars, one tile ahead of the others (it has the least mma work);
+    // lane l owns steps 2l and 2l + 1.
     const T* dt_in = static_cast<const T*>(p.dt);
     auto load_dt = [&](int64_t t0, float (&raw)[2]) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int64_t t = t0 + 2 * lane + e;
-            raw[e] = warp == 0 && t < p.seqlen ? to_f32(dt_in[(b * p.seqlen + t) * p.heads + h]) : 0.f;
+            raw[e] = t < p.seqlen ? to_f32(dt_in[(b * p.seqlen + t) * p.heads + h]) : 0.f;
         }
+    };
+    auto tile_scalars = [&](TileScalars& out, int64_t t0, const float (&raw)[2]) {
+        // dt after bias/softplus/clamp (0 past the end: padding steps neither decay nor add).
+        float dt[2], a[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            dt[e] = t0 + 2 * lane + e < p.seqlen ? ssd_dt(p, raw[e], h) : 0.f;
+            a[e] = dt[e] * a_log2;
+        }
+        float run = a[0] + a[1];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float other = __shfl_up_sync(0xffffffffu, run, o);
+            if (lane >= o) run += other;
+        }
+        const float c0 = run - a[1], c1 = run;
+        const float last = __shfl_sync(0xffffffffu, run, 31);
+        out.cd[lane] = make_float4(c0, dt[0], c1, dt[1]);
+        out.w[lane] = make_float2(ex2_ftz(last - c0) * dt[0], ex2_ftz(last - c1) * dt[1]);
+        out.ecum[2 * lane] = ex2_ftz(c0);
+        out.ecum[2 * lane + 1] = ex2_ftz(c1);
     };
     float decay_sum = 0.f;  // log2 of the part's total decay (LOCAL records it)
 
-    // Per-lane ldmatrix bases (element offsets); the loops add compile-time offsets.
+    // Per-lane ldmatrix byte offsets into a tile of pitch 1 element; the loops add compile-time offsets.
     const int a_rows = lane & 15, a_cols = (lane >> 4) * 8;                               // A, row-major
     const int bn_rows = (lane & 7) + ((lane >> 4) << 3), bn_cols = ((lane >> 3) & 1) * 8;  // B, n-major
     const int bt_rows = (lane & 7) + ((lane >> 3) & 1) * 8, bt_cols = (lane >> 4) * 8;     // B, k-major
     const int at_rows = (lane & 7) + (lane >> 4) * 8, at_cols = ((lane >> 3) & 1) * 8;     // A, k-major
+    constexpr int E = sizeof(T);
 
     if (tile_begin < tile_end) load_tile(int(tile_begin & 1), tile_begin * kQ);
     cp_async_commit();
     float dt_raw[2];
-    load_dt(tile_begin * kQ, dt_raw);
+    if (warp == 0) {
+        load_dt(tile_begin * kQ, dt_raw);
+        tile_scalars(sm.sc[tile_begin & 1], tile_begin * kQ, dt_raw);
+        load_dt((tile_begin + 1) * kQ, dt_raw);
+    }
 
     for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
         const int buf = int(tile & 1);
         const int64_t t0 = tile * kQ;
-        if (warp == 0) {
-            // dt after bias/softplus/clamp (0 past the end: padding steps neither decay nor add).
-            float dt[2], a[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                dt[e] = t0 + 2 * lane + e < p.seqlen ? ssd_dt(p, dt_raw[e], h) : 0.f;
-                a[e] = dt[e] * a_log2;
-            }
-            float run = a[0] + a[1];
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const float other = __shfl_up_sync(0xffffffffu, run, o);
-                if (lane >= o) run += other;
-            }
-            const float c0 = run - a[1], c1 = run;
-            const float last = __shfl_sync(0xffffffffu, run, 31);
-            sm.cd[lane] = make_float4(c0, dt[0], c1, dt[1]);
-            sm.w[lane] = make_float2(exp2f(last - c0) * dt[0], exp2f(last - c1) * dt[1]);
-            sm.ecum[2 * lane] = exp2f(c0);
-            sm.ecum[2 * lane + 1] = exp2f(c1);
-        }
         if (tile + 1 < tile_end) load_tile(buf ^ 1, t0 + kQ);
         cp_async_commit();
-        load_dt(t0 + kQ, dt_raw);
         cp_async_wait_one();
         __syncthreads();
 
-        const float cum_last = sm.cd[kQ / 2 - 1].z;
+        const TileScalars& sc = sm.sc[buf];
+        const float cum_last = sc.cd[kQ / 2 - 1].z;
         decay_sum += cum_last;
-        const T* xs = sm.x[buf];
-        const T* bs = sm.b[buf];
-        const T* cs = sm.c[buf];
+        const uint32_t xs = smem_addr(sm.x[buf]), bs = smem_addr(sm.b[buf]), cs = smem_addr(sm.c[buf]);
         if (!LOCAL) {
             // Residual for the backward pass: the state entering each chunk.
             if (p.chunk_states && t0 % p.chunk_size == 0) {
@@ -259,33 +268,33 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
             // its masked C B^T: cheaper than trading partial sums through shared memory).
             float y[kP / 16][4] = {};
             float gm[kQ / 8][4] = {};
-            const T* c_lane = cs + (16 * rb + a_rows) * PN + a_cols;
-            const T* b_lane = bs + bn_rows * PN + bn_cols;
-            const T* s_lane = sm.s + (32 * hf + bn_rows) * PN + bn_cols;
+            const uint32_t c_lane = cs + ((16 * rb + a_rows) * PN + a_cols) * E;
+            const uint32_t b_lane = bs + (bn_rows * PN + bn_cols) * E;
+            const uint32_t s_lane = smem_addr(sm.s) + ((32 * hf + bn_rows) * PN + bn_cols) * E;
 #pragma unroll
             for (int kk = 0; kk < N / 16; ++kk) {
                 uint32_t a[4];
-                ldsm_x4(a, smem_addr(c_lane + 16 * kk));
+                ldsm_x4(a, c_lane + 16 * kk * E);
 #pragma unroll
                 for (int pr = 0; pr < kQ / 16; ++pr) {
                     if (pr > rb) break;  // causal: s <= t
                     uint32_t bb[4];
-                    ldsm_x4(bb, smem_addr(b_lane + 16 * pr * PN + 16 * kk));
+                    ldsm_x4(bb, b_lane + (16 * pr * PN + 16 * kk) * E);
                     O::mma(gm[2 * pr], a, bb[0], bb[1]);
                     O::mma(gm[2 * pr + 1], a, bb[2], bb[3]);
                 }
 #pragma unroll
                 for (int pr = 0; pr < kP / 32; ++pr) {
                     uint32_t bb[4];
-                    ldsm_x4(bb, smem_addr(s_lane + 16 * pr * PN + 16 * kk));
+                    ldsm_x4(bb, s_lane + (16 * pr * PN + 16 * kk) * E);
                     O::mma(y[2 * pr], a, bb[0], bb[1]);
                     O::mma(y[2 * pr + 1], a, bb[2], bb[3]);
                 }
             }
             const int t_lo = 16 * rb + lane / 4, t_hi = t_lo + 8;
-            const float e_lo = sm.ecum[t_lo], e_hi = sm.ecum[t_hi];
+            const float e_lo = sc.ecum[t_lo], e_hi = sc.ecum[t_hi];
             auto cum_of = [&](int t) {
-                const float4 v = sm.cd[t / 2];
+                const float4 v = sc.cd[t / 2];
                 return t & 1 ? v.z : v.x;
             };
             const float cum_t[2] = {cum_of(t_lo), cum_of(t_hi)};
@@ -297,7 +306,7 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
                 y[j][3] *= e_hi;
             }
             // Mask and decay C B^T, then y += M x, the accumulators turned into A fragments in place.
-            const T* x_lane = xs + bt_rows * PX + 32 * hf + bt_cols;
+            const uint32_t x_lane = xs + (bt_rows * PX + 32 * hf + bt_cols) * E;
 #pragma unroll
             for (int kk = 0; kk < kQ / 16; ++kk) {
                 if (kk > rb) break;
@@ -306,13 +315,14 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
                 for (int half = 0; half < 2; ++half) {
                     const float* acc = gm[2 * kk + half];
                     const int s0 = 16 * kk + 8 * half + 2 * (lane % 4);
-                    const float4 cd = sm.cd[s0 / 2];  // {cum, dt} of s0 and s0 + 1
+                    const float4 cd = sc.cd[s0 / 2];  // {cum, dt} of s0 and s0 + 1
                     float m[4];
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int t = e < 2 ? t_lo : t_hi, sidx = s0 + (e & 1);
-                        const float cs_ = e & 1 ? cd.z : cd.x, dts = e & 1 ? cd.w : cd.y;
-                        m[e] = sidx <= t ? acc[e] * exp2f(cum_t[e >> 1] - cs_) * dts : 0.f;
+                        const float cum_s = e & 1 ? cd.z : cd.x, dt_s = e & 1 ? cd.w : cd.y;
+                        const float v = acc[e] * ex2_ftz(cum_t[e >> 1] - cum_s) * dt_s;
+                        m[e] = kk < rb || sidx <= t ? v : 0.f;  // below the diagonal block: all s < t
                     }
                     a[2 * half] = pack_u32<T>(m[0], m[1]);
                     a[2 * half + 1] = pack_u32<T>(m[2], m[3]);
@@ -320,7 +330,7 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
 #pragma unroll
                 for (int pr = 0; pr < kP / 32; ++pr) {
                     uint32_t bb[4];
-                    ldsm_x4_trans(bb, smem_addr(x_lane + 16 * kk * PX + 16 * pr));
+                    ldsm_x4_trans(bb, x_lane + (16 * kk * PX + 16 * pr) * E);
                     O::mma(y[2 * pr], a, bb[0], bb[1]);
                     O::mma(y[2 * pr + 1], a, bb[2], bb[3]);
                 }
@@ -337,7 +347,7 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
                 const int64_t base = ((b * p.seqlen + t) * p.heads + h) * kP + col0;
 #pragma unroll
                 for (int j = 0; j < kP / 16; ++j) {
-                    const float2 xv = O::unpack2(*reinterpret_cast<const T2*>(&xs[row * PX + col0 + 8 * j]));
+                    const float2 xv = O::unpack2(*reinterpret_cast<const T2*>(&sm.x[buf][row * PX + col0 + 8 * j]));
                     float v0 = y[j][2 * half] + dskip[j][0] * xv.x;
                     float v1 = y[j][2 * half + 1] + dskip[j][1] * xv.y;
                     if (z) {
@@ -351,18 +361,18 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
         }
 
         // S <- 2^cum_last S + (w o x)^T B; w scales the k (= step) pairs of the A fragments.
-        const float decay = exp2f(cum_last);
+        const float decay = ex2_ftz(cum_last);
 #pragma unroll
         for (int j = 0; j < N / 16; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[j][e] *= decay;
-        const T* xt_lane = xs + at_rows * PX + 16 * rb + at_cols;
-        const T* bt_lane = bs + bt_rows * PN + hf * (N / 2) + bt_cols;
+        const uint32_t xt_lane = xs + (at_rows * PX + 16 * rb + at_cols) * E;
+        const uint32_t bt_lane = bs + (bt_rows * PN + hf * (N / 2) + bt_cols) * E;
 #pragma unroll
         for (int kk = 0; kk < kQ / 16; ++kk) {
             uint32_t a[4];
-            ldsm_x4_trans(a, smem_addr(xt_lane + 16 * kk * PX));
-            const float2 w_lo = sm.w[8 * kk + lane % 4], w_hi = sm.w[8 * kk + 4 + lane % 4];
+            ldsm_x4_trans(a, xt_lane + 16 * kk * PX * E);
+            const float2 w_lo = sc.w[8 * kk + lane % 4], w_hi = sc.w[8 * kk + 4 + lane % 4];
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const float2 w = r < 2 ? w_lo : w_hi;
@@ -372,10 +382,14 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
 #pragma unroll
             for (int pr = 0; pr < N / 32; ++pr) {
                 uint32_t bb[4];
-                ldsm_x4_trans(bb, smem_addr(bt_lane + 16 * kk * PN + 16 * pr));
+                ldsm_x4_trans(bb, bt_lane + (16 * kk * PN + 16 * pr) * E);
                 O::mma(s[2 * pr], a, bb[0], bb[1]);
                 O::mma(s[2 * pr + 1], a, bb[2], bb[3]);
             }
+        }
+        if (warp == 0 && tile + 1 < tile_end) {
+            tile_scalars(sm.sc[buf ^ 1], t0 + kQ, dt_raw);
+            load_dt(t0 + 2 * kQ, dt_raw);
         }
         __syncthreads();
     }
@@ -396,16 +410,24 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
 
 }  // namespace ssd_mma
 
+// The launch's parameters: the call's, and the sequence split (mirror of `MmaParams` in
+// src/ops/ssd/cuda_mma.rs).
+struct SsdMmaParams {
+    SsdParams p;
+    int64_t tiles_per_part;  // 64-step tiles per part
+    int64_t n_parts;         // records of parts 0..n_parts-2 in p.workspace
+};
+
 // extern "C" entry points ssd_fwd_mma[_local]_<T>_n<N>; grid (batch * heads, parts), kThreads threads,
 // sizeof(Smem<T, N>) bytes of dynamic shared memory.
-#define SSD_FWD_MMA(T, N)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                                           \
-        ssd_fwd_mma_##T##_n##N(const SsdParams p, int64_t tiles_per_part, int n_parts) {                         \
-        ssd_mma::ssd_fwd_mma<T, N, false>(p, tiles_per_part, n_parts);                                           \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                                           \
-        ssd_fwd_mma_local_##T##_n##N(const SsdParams p, int64_t tiles_per_part, int n_parts) {                   \
-        ssd_mma::ssd_fwd_mma<T, N, true>(p, tiles_per_part, n_parts);                                            \
+#define SSD_FWD_MMA(T, N)                                                                             \
+    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                                \
+        ssd_fwd_mma_##T##_n##N(const SsdMmaParams a) {                                                \
+        ssd_mma::ssd_fwd_mma<T, N, false>(a.p, a.tiles_per_part, int(a.n_parts));                     \
+    }                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                                \
+        ssd_fwd_mma_local_##T##_n##N(const SsdMmaParams a) {                                          \
+        ssd_mma::ssd_fwd_mma<T, N, true>(a.p, a.tiles_per_part, int(a.n_parts));                      \
     }
 SSD_FWD_MMA(bf16, 64)
 SSD_FWD_MMA(bf16, 128)
