@@ -2,14 +2,13 @@
 // chunk_size a multiple of 64. src/ops/ssd/cuda.rs takes it where it applies; the generic path covers
 // the rest.
 //
-// One block of 8 warps scans one (batch, head) through the sequence in tiles of 64 steps, the state S
-// (headdim x dstate, f32) living in the warps' mma accumulators (warp w: rows p = 16 (w/2).., half
-// w%2 of the columns). Per tile, with cum_t the running sum of dt * A inside the tile (log2 units):
+// One block of 4 warps scans one (batch, head) through the sequence in tiles of 64 steps, the state S
+// (headdim x dstate, f32) living in the warps' mma accumulators (warp w: rows p = 16w..16w+15). Per
+// tile, with cum_t the running sum of dt * A inside the tile (log2 units):
 //   y  = diag(2^cum) C S^T  +  ((C B^T) o M) x,   M[t, s] = 2^(cum_t - cum_s) dt_s for s <= t, else 0
 //   S <- 2^cum_last S  +  (w o x)^T B,             w_s = 2^(cum_last - cum_s) dt_s
-// (warp w: rows t = 16 (w/2).. of y, half w%2 of its columns; the masked C B^T never leaves
-// registers: its accumulators are the A operand of the product with x). 4 warps of twice the work
-// each measured the same (430 vs 427 us at batch 8, seqlen 2048, heads 64, dstate 128). Inputs stream through shared memory by cp.async, one tile
+// (warp w: rows t = 16w..16w+15 of y; the masked C B^T never leaves registers: its accumulators are
+// the A operand of the product with x). Inputs stream through shared memory by cp.async, one tile
 // ahead. S enters the y products rounded to T, as the products themselves take T operands.
 //
 // Sequence split (few batch x heads): pass 1 (`_local`) runs parts 0..n_parts-2 from a zero state and
@@ -21,7 +20,15 @@ namespace ssd_mma {
 
 constexpr int kQ = 64;  // steps per tile
 constexpr int kP = 64;  // headdim
-constexpr int kThreads = 256;  // 8 warps: warp w takes rows 16 (w / 2).. of y and of S, half (w % 2) of the columns
+// Warps may split the columns of y and S in kHalves: warp w takes rows 16 (w / kHalves).. of y and
+// of S, and part w % kHalves of their columns. 1 (4 warps, 227 registers) beat 2 (8 warps of 128
+// registers) by 10-20% (bench/ssd_fwd_check.sh with -DSSD_FWD_HALVES=2, BENCHMARKS.md).
+#ifndef SSD_FWD_HALVES
+#define SSD_FWD_HALVES 1
+#endif
+constexpr int kHalves = SSD_FWD_HALVES;
+constexpr int kThreads = 128 * kHalves;
+constexpr int kMinBlocks = 2;
 
 template <typename T> struct Ops;
 template <> struct Ops<bf16> {
@@ -94,11 +101,12 @@ template <typename T, int N> struct Smem {
 
 // The thread's share of a (kP x N) f32 state held as accumulators: rows 16 (w / 2) + lane/4 (+8),
 // columns (w % 2) N/2 + 8j + 2(lane%4) (+1). `f(acc_pair, row, col)` visits each adjacent pair.
-template <int N, typename F> __device__ __forceinline__ void for_state_pairs(float (&s)[N / 16][4], F f) {
+template <int N, typename F>
+__device__ __forceinline__ void for_state_pairs(float (&s)[N / 8 / kHalves][4], F f) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row = 16 * (warp >> 1) + lane / 4, col = (warp & 1) * (N / 2) + 2 * (lane % 4);
+    const int row = 16 * (warp / kHalves) + lane / 4, col = (warp % kHalves) * (N / kHalves) + 2 * (lane % 4);
 #pragma unroll
-    for (int j = 0; j < N / 16; ++j) {
+    for (int j = 0; j < N / 8 / kHalves; ++j) {
         f(&s[j][0], row, 8 * j + col);
         f(&s[j][2], row + 8, 8 * j + col);
     }
@@ -121,7 +129,8 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
     using T2 = typename O::T2;
     constexpr int PX = pitch<kP>(), PN = pitch<N>();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int rb = warp >> 1, hf = warp & 1;  // row block (of y and S), column half
+    const int rb = warp / kHalves, hf = warp % kHalves;  // row block (of y and S), column part
+    constexpr int YC = kP / kHalves, SC = N / kHalves;   // columns of y, of S per warp
     const int64_t bh = blockIdx.x, part = blockIdx.y;
     const int64_t b = bh / p.heads, h = bh % p.heads, g = h / (p.heads / p.groups);
     const int64_t n_tiles = (p.seqlen + kQ - 1) / kQ;
@@ -133,7 +142,7 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
     float* record_decay = records + (n_parts - 1) * p.batch * p.heads * state_elems;
 
     // The state entering the part.
-    float s[N / 16][4];
+    float s[SC / 8][4];
     for_state_pairs<N>(s, [&](float* acc, int row, int col) {
         float2 v = make_float2(0.f, 0.f);
         if (!LOCAL && p.initial_states)
@@ -153,13 +162,13 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
         }
     }
 
-    // D for the y epilogue's columns 32 hf + 8j + 2(lane%4) (+1).
-    float dskip[kP / 16][2];
+    // D for the y epilogue's columns YC hf + 8j + 2(lane%4) (+1).
+    float dskip[YC / 8][2];
 #pragma unroll
-    for (int j = 0; j < kP / 16; ++j)
+    for (int j = 0; j < YC / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const int col = 32 * hf + 8 * j + 2 * (lane % 4) + e;
+            const int col = YC * hf + 8 * j + 2 * (lane % 4) + e;
             dskip[j][e] = p.D ? p.D[p.D_per_channel ? h * kP + col : h] : 0.f;
         }
 
@@ -264,13 +273,13 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
             });
             __syncthreads();
 
-            // y for rows t = 16 rb + lane/4 (+8), columns 32 hf.. (both warps of a row block compute
+            // y for rows t = 16 rb + lane/4 (+8), columns YC hf.. (all warps of a row block compute
             // its masked C B^T: cheaper than trading partial sums through shared memory).
-            float y[kP / 16][4] = {};
+            float y[YC / 8][4] = {};
             float gm[kQ / 8][4] = {};
             const uint32_t c_lane = cs + ((16 * rb + a_rows) * PN + a_cols) * E;
             const uint32_t b_lane = bs + (bn_rows * PN + bn_cols) * E;
-            const uint32_t s_lane = smem_addr(sm.s) + ((32 * hf + bn_rows) * PN + bn_cols) * E;
+            const uint32_t s_lane = smem_addr(sm.s) + ((YC * hf + bn_rows) * PN + bn_cols) * E;
 #pragma unroll
             for (int kk = 0; kk < N / 16; ++kk) {
                 uint32_t a[4];
@@ -284,7 +293,7 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
                     O::mma(gm[2 * pr + 1], a, bb[2], bb[3]);
                 }
 #pragma unroll
-                for (int pr = 0; pr < kP / 32; ++pr) {
+                for (int pr = 0; pr < YC / 16; ++pr) {
                     uint32_t bb[4];
                     ldsm_x4(bb, s_lane + (16 * pr * PN + 16 * kk) * E);
                     O::mma(y[2 * pr], a, bb[0], bb[1]);
@@ -299,14 +308,14 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
             };
             const float cum_t[2] = {cum_of(t_lo), cum_of(t_hi)};
 #pragma unroll
-            for (int j = 0; j < kP / 16; ++j) {
+            for (int j = 0; j < YC / 8; ++j) {
                 y[j][0] *= e_lo;
                 y[j][1] *= e_lo;
                 y[j][2] *= e_hi;
                 y[j][3] *= e_hi;
             }
             // Mask and decay C B^T, then y += M x, the accumulators turned into A fragments in place.
-            const uint32_t x_lane = xs + (bt_rows * PX + 32 * hf + bt_cols) * E;
+            const uint32_t x_lane = xs + (bt_rows * PX + YC * hf + bt_cols) * E;
 #pragma unroll
             for (int kk = 0; kk < kQ / 16; ++kk) {
                 if (kk > rb) break;
@@ -328,7 +337,7 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
                     a[2 * half + 1] = pack_u32<T>(m[2], m[3]);
                 }
 #pragma unroll
-                for (int pr = 0; pr < kP / 32; ++pr) {
+                for (int pr = 0; pr < YC / 16; ++pr) {
                     uint32_t bb[4];
                     ldsm_x4_trans(bb, x_lane + (16 * kk * PX + 16 * pr) * E);
                     O::mma(y[2 * pr], a, bb[0], bb[1]);
@@ -343,10 +352,10 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
                 const int row = half ? t_hi : t_lo;
                 const int64_t t = t0 + row;
                 if (t >= p.seqlen) continue;
-                const int col0 = 32 * hf + 2 * (lane % 4);
+                const int col0 = YC * hf + 2 * (lane % 4);
                 const int64_t base = ((b * p.seqlen + t) * p.heads + h) * kP + col0;
 #pragma unroll
-                for (int j = 0; j < kP / 16; ++j) {
+                for (int j = 0; j < YC / 8; ++j) {
                     const float2 xv = O::unpack2(*reinterpret_cast<const T2*>(&sm.x[buf][row * PX + col0 + 8 * j]));
                     float v0 = y[j][2 * half] + dskip[j][0] * xv.x;
                     float v1 = y[j][2 * half + 1] + dskip[j][1] * xv.y;
@@ -363,11 +372,11 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
         // S <- 2^cum_last S + (w o x)^T B; w scales the k (= step) pairs of the A fragments.
         const float decay = ex2_ftz(cum_last);
 #pragma unroll
-        for (int j = 0; j < N / 16; ++j)
+        for (int j = 0; j < SC / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[j][e] *= decay;
         const uint32_t xt_lane = xs + (at_rows * PX + 16 * rb + at_cols) * E;
-        const uint32_t bt_lane = bs + (bt_rows * PN + hf * (N / 2) + bt_cols) * E;
+        const uint32_t bt_lane = bs + (bt_rows * PN + hf * SC + bt_cols) * E;
 #pragma unroll
         for (int kk = 0; kk < kQ / 16; ++kk) {
             uint32_t a[4];
@@ -380,7 +389,7 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
                 a[r] = pack_u32<T>(v.x * w.x, v.y * w.y);
             }
 #pragma unroll
-            for (int pr = 0; pr < N / 32; ++pr) {
+            for (int pr = 0; pr < SC / 16; ++pr) {
                 uint32_t bb[4];
                 ldsm_x4_trans(bb, bt_lane + (16 * kk * PN + 16 * pr) * E);
                 O::mma(s[2 * pr], a, bb[0], bb[1]);
@@ -421,11 +430,11 @@ struct SsdMmaParams {
 // extern "C" entry points ssd_fwd_mma[_local]_<T>_n<N>; grid (batch * heads, parts), kThreads threads,
 // sizeof(Smem<T, N>) bytes of dynamic shared memory.
 #define SSD_FWD_MMA(T, N)                                                                             \
-    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                                \
+    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, ssd_mma::kMinBlocks)                                \
         ssd_fwd_mma_##T##_n##N(const SsdMmaParams a) {                                                \
         ssd_mma::ssd_fwd_mma<T, N, false>(a.p, a.tiles_per_part, int(a.n_parts));                     \
     }                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                                \
+    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, ssd_mma::kMinBlocks)                                \
         ssd_fwd_mma_local_##T##_n##N(const SsdMmaParams a) {                                          \
         ssd_mma::ssd_fwd_mma<T, N, true>(a.p, a.tiles_per_part, int(a.n_parts));                      \
     }
