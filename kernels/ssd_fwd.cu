@@ -14,82 +14,9 @@
 // Sequence split (few batch x heads): pass 1 (`_local`) runs parts 0..n_parts-2 from a zero state and
 // records each part's end state and total decay in the workspace; pass 2 runs every part, starting
 // from the initial state folded through the records of the parts before it.
-#include "ssd.cuh"
+#include "ssd_mma.cuh"
 
 namespace ssd_mma {
-
-constexpr int kQ = 64;  // steps per tile
-constexpr int kP = 64;  // headdim
-// Warps may split the columns of y and S in kHalves: warp w takes rows 16 (w / kHalves).. of y and
-// of S, and part w % kHalves of their columns. 1 (4 warps, 227 registers) beat 2 (8 warps of 128
-// registers) by 10-20% (bench/ssd_fwd_check.sh with -DSSD_FWD_HALVES=2, BENCHMARKS.md).
-#ifndef SSD_FWD_HALVES
-#define SSD_FWD_HALVES 1
-#endif
-constexpr int kHalves = SSD_FWD_HALVES;
-constexpr int kThreads = 128 * kHalves;
-constexpr int kMinBlocks = 2;
-
-template <typename T> struct Ops;
-template <> struct Ops<bf16> {
-    using T2 = __nv_bfloat162;
-    static __device__ __forceinline__ T2 pack2(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
-    static __device__ __forceinline__ float2 unpack2(T2 v) { return __bfloat1622float2(v); }
-    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-template <> struct Ops<f16> {
-    using T2 = __half2;
-    static __device__ __forceinline__ T2 pack2(float lo, float hi) { return __floats2half2_rn(lo, hi); }
-    static __device__ __forceinline__ float2 unpack2(T2 v) { return __half22float2(v); }
-    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-
-template <typename T> __device__ __forceinline__ uint32_t pack_u32(float lo, float hi) {
-    typename Ops<T>::T2 v = Ops<T>::pack2(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-// 16 bytes global -> shared; zero-filled when !valid (src must still be a mapped address).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-
-// Tiles are row-major with rows padded by 16 bytes: the 8 row addresses of an ldmatrix then start 4
-// banks apart (conflict-free), and each lane's addresses are a fixed base plus compile-time offsets.
-template <int COLS> __host__ __device__ constexpr int pitch() { return COLS + 8; }
-
-// Per-step scalars of a tile, from dt.
-struct TileScalars {
-    float4 cd[kQ / 2];  // {cum_t, dt_t, cum_t+1, dt_t+1}: cum = running sum of dt * A * log2(e)
-    float2 w[kQ / 2];   // 2^(cum_last - cum_t) dt_t: the state update's weights
-    float ecum[kQ];     // 2^cum_t
-};
 
 template <typename T, int N> struct Smem {
     T x[2][kQ * pitch<kP>()];
@@ -97,28 +24,6 @@ template <typename T, int N> struct Smem {
     T c[2][kQ * pitch<N>()];
     T s[kP * pitch<N>()];  // the state entering the tile, rounded to T (the y products' operand)
     TileScalars sc[2];     // of the tile in x/b/c[buf]
-};
-
-// The thread's share of a (kP x N) f32 state held as accumulators: rows 16 (w / 2) + lane/4 (+8),
-// columns (w % 2) N/2 + 8j + 2(lane%4) (+1). `f(acc_pair, row, col)` visits each adjacent pair.
-template <int N, typename F>
-__device__ __forceinline__ void for_state_pairs(float (&s)[N / 8 / kHalves][4], F f) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row = 16 * (warp / kHalves) + lane / 4, col = (warp % kHalves) * (N / kHalves) + 2 * (lane % 4);
-#pragma unroll
-    for (int j = 0; j < N / 8 / kHalves; ++j) {
-        f(&s[j][0], row, 8 * j + col);
-        f(&s[j][2], row + 8, 8 * j + col);
-    }
-}
-
-// Where this thread's cp.async chunks of a tile with COLS-element rows go: rows row0 + k * kRowStep.
-template <int COLS> struct TileCopy {
-    static constexpr int kChunksPerRow = COLS / 8;
-    static constexpr int kRowStep = kThreads / kChunksPerRow;
-    static constexpr int kPasses = kQ / kRowStep;
-    int row0, col;
-    __device__ TileCopy() : row0(threadIdx.x / kChunksPerRow), col((threadIdx.x % kChunksPerRow) * 8) {}
 };
 
 template <typename T, int N, bool LOCAL>
@@ -129,8 +34,7 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
     using T2 = typename O::T2;
     constexpr int PX = pitch<kP>(), PN = pitch<N>();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int rb = warp / kHalves, hf = warp % kHalves;  // row block (of y and S), column part
-    constexpr int YC = kP / kHalves, SC = N / kHalves;   // columns of y, of S per warp
+    const int rb = warp;  // row block of y and S
     const int64_t bh = blockIdx.x, part = blockIdx.y;
     const int64_t b = bh / p.heads, h = bh % p.heads, g = h / (p.heads / p.groups);
     const int64_t n_tiles = (p.seqlen + kQ - 1) / kQ;
@@ -142,7 +46,7 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
     float* record_decay = records + (n_parts - 1) * p.batch * p.heads * state_elems;
 
     // The state entering the part.
-    float s[SC / 8][4];
+    float s[N / 8][4];
     for_state_pairs<N>(s, [&](float* acc, int row, int col) {
         float2 v = make_float2(0.f, 0.f);
         if (!LOCAL && p.initial_states)
@@ -162,13 +66,13 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
         }
     }
 
-    // D for the y epilogue's columns YC hf + 8j + 2(lane%4) (+1).
-    float dskip[YC / 8][2];
+    // D for the y epilogue's columns 8j + 2(lane%4) (+1).
+    float dskip[kP / 8][2];
 #pragma unroll
-    for (int j = 0; j < YC / 8; ++j)
+    for (int j = 0; j < kP / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const int col = YC * hf + 8 * j + 2 * (lane % 4) + e;
+            const int col = 8 * j + 2 * (lane % 4) + e;
             dskip[j][e] = p.D ? p.D[p.D_per_channel ? h * kP + col : h] : 0.f;
         }
 
@@ -198,37 +102,7 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
         }
     };
 
-    // Warp 0 turns dt into a tile's scalars, one tile ahead of the others (it has the least mma work);
-    // lane l owns steps 2l and 2l + 1.
-    const T* dt_in = static_cast<const T*>(p.dt);
-    auto load_dt = [&](int64_t t0, float (&raw)[2]) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int64_t t = t0 + 2 * lane + e;
-            raw[e] = t < p.seqlen ? to_f32(dt_in[(b * p.seqlen + t) * p.heads + h]) : 0.f;
-        }
-    };
-    auto tile_scalars = [&](TileScalars& out, int64_t t0, const float (&raw)[2]) {
-        // dt after bias/softplus/clamp (0 past the end: padding steps neither decay nor add).
-        float dt[2], a[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            dt[e] = t0 + 2 * lane + e < p.seqlen ? ssd_dt(p, raw[e], h) : 0.f;
-            a[e] = dt[e] * a_log2;
-        }
-        float run = a[0] + a[1];
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const float other = __shfl_up_sync(0xffffffffu, run, o);
-            if (lane >= o) run += other;
-        }
-        const float c0 = run - a[1], c1 = run;
-        const float last = __shfl_sync(0xffffffffu, run, 31);
-        out.cd[lane] = make_float4(c0, dt[0], c1, dt[1]);
-        out.w[lane] = make_float2(ex2_ftz(last - c0) * dt[0], ex2_ftz(last - c1) * dt[1]);
-        out.ecum[2 * lane] = ex2_ftz(c0);
-        out.ecum[2 * lane + 1] = ex2_ftz(c1);
-    };
+    // Warp 0 computes a tile's scalars one tile ahead of the others (it has the least mma work).
     float decay_sum = 0.f;  // log2 of the part's total decay (LOCAL records it)
 
     // Per-lane ldmatrix byte offsets into a tile of pitch 1 element; the loops add compile-time offsets.
@@ -242,9 +116,9 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
     cp_async_commit();
     float dt_raw[2];
     if (warp == 0) {
-        load_dt(tile_begin * kQ, dt_raw);
-        tile_scalars(sm.sc[tile_begin & 1], tile_begin * kQ, dt_raw);
-        load_dt((tile_begin + 1) * kQ, dt_raw);
+        load_dt<T>(p, b, h, tile_begin * kQ, dt_raw);
+        tile_scalars(sm.sc[tile_begin & 1], p, h, a_log2, tile_begin * kQ, dt_raw);
+        load_dt<T>(p, b, h, (tile_begin + 1) * kQ, dt_raw);
     }
 
     for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
@@ -273,13 +147,12 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
             });
             __syncthreads();
 
-            // y for rows t = 16 rb + lane/4 (+8), columns YC hf.. (all warps of a row block compute
-            // its masked C B^T: cheaper than trading partial sums through shared memory).
-            float y[YC / 8][4] = {};
+            // y for rows t = 16 rb + lane/4 (+8).
+            float y[kP / 8][4] = {};
             float gm[kQ / 8][4] = {};
             const uint32_t c_lane = cs + ((16 * rb + a_rows) * PN + a_cols) * E;
             const uint32_t b_lane = bs + (bn_rows * PN + bn_cols) * E;
-            const uint32_t s_lane = smem_addr(sm.s) + ((YC * hf + bn_rows) * PN + bn_cols) * E;
+            const uint32_t s_lane = smem_addr(sm.s) + ((bn_rows) * PN + bn_cols) * E;
 #pragma unroll
             for (int kk = 0; kk < N / 16; ++kk) {
                 uint32_t a[4];
@@ -293,7 +166,7 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
                     O::mma(gm[2 * pr + 1], a, bb[2], bb[3]);
                 }
 #pragma unroll
-                for (int pr = 0; pr < YC / 16; ++pr) {
+                for (int pr = 0; pr < kP / 16; ++pr) {
                     uint32_t bb[4];
                     ldsm_x4(bb, s_lane + (16 * pr * PN + 16 * kk) * E);
                     O::mma(y[2 * pr], a, bb[0], bb[1]);
@@ -308,14 +181,14 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
             };
             const float cum_t[2] = {cum_of(t_lo), cum_of(t_hi)};
 #pragma unroll
-            for (int j = 0; j < YC / 8; ++j) {
+            for (int j = 0; j < kP / 8; ++j) {
                 y[j][0] *= e_lo;
                 y[j][1] *= e_lo;
                 y[j][2] *= e_hi;
                 y[j][3] *= e_hi;
             }
             // Mask and decay C B^T, then y += M x, the accumulators turned into A fragments in place.
-            const uint32_t x_lane = xs + (bt_rows * PX + YC * hf + bt_cols) * E;
+            const uint32_t x_lane = xs + (bt_rows * PX + bt_cols) * E;
 #pragma unroll
             for (int kk = 0; kk < kQ / 16; ++kk) {
                 if (kk > rb) break;
@@ -337,7 +210,7 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
                     a[2 * half + 1] = pack_u32<T>(m[2], m[3]);
                 }
 #pragma unroll
-                for (int pr = 0; pr < YC / 16; ++pr) {
+                for (int pr = 0; pr < kP / 16; ++pr) {
                     uint32_t bb[4];
                     ldsm_x4_trans(bb, x_lane + (16 * kk * PX + 16 * pr) * E);
                     O::mma(y[2 * pr], a, bb[0], bb[1]);
@@ -352,10 +225,10 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
                 const int row = half ? t_hi : t_lo;
                 const int64_t t = t0 + row;
                 if (t >= p.seqlen) continue;
-                const int col0 = YC * hf + 2 * (lane % 4);
+                const int col0 = 2 * (lane % 4);
                 const int64_t base = ((b * p.seqlen + t) * p.heads + h) * kP + col0;
 #pragma unroll
-                for (int j = 0; j < YC / 8; ++j) {
+                for (int j = 0; j < kP / 8; ++j) {
                     const float2 xv = O::unpack2(*reinterpret_cast<const T2*>(&sm.x[buf][row * PX + col0 + 8 * j]));
                     float v0 = y[j][2 * half] + dskip[j][0] * xv.x;
                     float v1 = y[j][2 * half + 1] + dskip[j][1] * xv.y;
@@ -372,11 +245,11 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
         // S <- 2^cum_last S + (w o x)^T B; w scales the k (= step) pairs of the A fragments.
         const float decay = ex2_ftz(cum_last);
 #pragma unroll
-        for (int j = 0; j < SC / 8; ++j)
+        for (int j = 0; j < N / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[j][e] *= decay;
         const uint32_t xt_lane = xs + (at_rows * PX + 16 * rb + at_cols) * E;
-        const uint32_t bt_lane = bs + (bt_rows * PN + hf * SC + bt_cols) * E;
+        const uint32_t bt_lane = bs + (bt_rows * PN + bt_cols) * E;
 #pragma unroll
         for (int kk = 0; kk < kQ / 16; ++kk) {
             uint32_t a[4];
@@ -389,7 +262,7 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
                 a[r] = pack_u32<T>(v.x * w.x, v.y * w.y);
             }
 #pragma unroll
-            for (int pr = 0; pr < SC / 16; ++pr) {
+            for (int pr = 0; pr < N / 16; ++pr) {
                 uint32_t bb[4];
                 ldsm_x4_trans(bb, bt_lane + (16 * kk * PN + 16 * pr) * E);
                 O::mma(s[2 * pr], a, bb[0], bb[1]);
@@ -397,8 +270,8 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
             }
         }
         if (warp == 0 && tile + 1 < tile_end) {
-            tile_scalars(sm.sc[buf ^ 1], t0 + kQ, dt_raw);
-            load_dt(t0 + 2 * kQ, dt_raw);
+            tile_scalars(sm.sc[buf ^ 1], p, h, a_log2, t0 + kQ, dt_raw);
+            load_dt<T>(p, b, h, t0 + 2 * kQ, dt_raw);
         }
         __syncthreads();
     }
@@ -430,11 +303,11 @@ struct SsdMmaParams {
 // extern "C" entry points ssd_fwd_mma[_local]_<T>_n<N>; grid (batch * heads, parts), kThreads threads,
 // sizeof(Smem<T, N>) bytes of dynamic shared memory.
 #define SSD_FWD_MMA(T, N)                                                                             \
-    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, ssd_mma::kMinBlocks)                                \
+    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                                \
         ssd_fwd_mma_##T##_n##N(const SsdMmaParams a) {                                                \
         ssd_mma::ssd_fwd_mma<T, N, false>(a.p, a.tiles_per_part, int(a.n_parts));                     \
     }                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, ssd_mma::kMinBlocks)                                \
+    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                                \
         ssd_fwd_mma_local_##T##_n##N(const SsdMmaParams a) {                                          \
         ssd_mma::ssd_fwd_mma<T, N, true>(a.p, a.tiles_per_part, int(a.n_parts));                      \
     }

@@ -1,0 +1,134 @@
+// Building blocks of the SSD tensor-core kernels (ssd_fwd.cu, ssd_bwd.cu): bf16/f16 mma.sync m16n8k16
+// with f32 accumulators, ldmatrix from padded shared tiles, cp.async, and a tile's per-step scalars.
+#pragma once
+#include "ssd.cuh"
+
+namespace ssd_mma {
+
+constexpr int kQ = 64;  // steps per tile
+constexpr int kP = 64;  // headdim
+// 4 warps; warp w owns rows 16w..16w+15 of the state (and of the step-major products). 8 warps of
+// half the columns each measured 10-20% slower in the forward (BENCHMARKS.md).
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+
+template <typename T> struct Ops;
+template <> struct Ops<bf16> {
+    using T2 = __nv_bfloat162;
+    static __device__ __forceinline__ T2 pack2(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
+    static __device__ __forceinline__ float2 unpack2(T2 v) { return __bfloat1622float2(v); }
+    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <> struct Ops<f16> {
+    using T2 = __half2;
+    static __device__ __forceinline__ T2 pack2(float lo, float hi) { return __floats2half2_rn(lo, hi); }
+    static __device__ __forceinline__ float2 unpack2(T2 v) { return __half22float2(v); }
+    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+template <typename T> __device__ __forceinline__ uint32_t pack_u32(float lo, float hi) {
+    typename Ops<T>::T2 v = Ops<T>::pack2(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+// 16 bytes global -> shared; zero-filled when !valid (src must still be a mapped address).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// Tiles are row-major with rows padded by 16 bytes: the 8 row addresses of an ldmatrix then start 4
+// banks apart (conflict-free), and each lane's addresses are a fixed base plus compile-time offsets.
+template <int COLS> __host__ __device__ constexpr int pitch() { return COLS + 8; }
+
+// Per-step scalars of a tile, from dt.
+struct TileScalars {
+    float4 cd[kQ / 2];  // {cum_t, dt_t, cum_t+1, dt_t+1}: cum = running sum of dt * A * log2(e)
+    float2 w[kQ / 2];   // 2^(cum_last - cum_t) dt_t: the state update's weights
+    float ecum[kQ];     // 2^cum_t
+};
+
+// The thread's share of a (kP x N) f32 state held as mma accumulators: rows 16w + lane/4 (+8),
+// columns 8j + 2(lane%4) (+1). `f(acc_pair, row, col)` visits each adjacent pair.
+template <int N, typename F> __device__ __forceinline__ void for_state_pairs(float (&s)[N / 8][4], F f) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row = 16 * warp + lane / 4, col = 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+        f(&s[j][0], row, 8 * j + col);
+        f(&s[j][2], row + 8, 8 * j + col);
+    }
+}
+
+// Where this thread's cp.async chunks of a tile with COLS-element rows go: rows row0 + k * kRowStep.
+template <int COLS> struct TileCopy {
+    static constexpr int kChunksPerRow = COLS / 8;
+    static constexpr int kRowStep = kThreads / kChunksPerRow;
+    static constexpr int kPasses = kQ / kRowStep;
+    int row0, col;
+    __device__ TileCopy() : row0(threadIdx.x / kChunksPerRow), col((threadIdx.x % kChunksPerRow) * 8) {}
+};
+
+// dt of steps t0 + 2 lane (+1) of (b, h), 0 past the end.
+template <typename T>
+__device__ __forceinline__ void load_dt(const SsdParams& p, int64_t b, int64_t h, int64_t t0, float (&raw)[2]) {
+    const T* dt = static_cast<const T*>(p.dt);
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int64_t t = t0 + 2 * lane + e;
+        raw[e] = t < p.seqlen ? to_f32(dt[(b * p.seqlen + t) * p.heads + h]) : 0.f;
+    }
+}
+
+// One warp turns the raw dt of a tile into its scalars; lane l owns steps 2l and 2l + 1. dt is after
+// bias/softplus/clamp, and 0 past the end (padding steps neither decay nor add).
+__device__ __forceinline__ void tile_scalars(TileScalars& out, const SsdParams& p, int64_t h, float a_log2,
+                                             int64_t t0, const float (&raw)[2]) {
+    const int lane = threadIdx.x & 31;
+    float dt[2], a[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        dt[e] = t0 + 2 * lane + e < p.seqlen ? ssd_dt(p, raw[e], h) : 0.f;
+        a[e] = dt[e] * a_log2;
+    }
+    float run = a[0] + a[1];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float other = __shfl_up_sync(0xffffffffu, run, o);
+        if (lane >= o) run += other;
+    }
+    const float c0 = run - a[1], c1 = run;
+    const float last = __shfl_sync(0xffffffffu, run, 31);
+    out.cd[lane] = make_float4(c0, dt[0], c1, dt[1]);
+    out.w[lane] = make_float2(ex2_ftz(last - c0) * dt[0], ex2_ftz(last - c1) * dt[1]);
+    out.ecum[2 * lane] = ex2_ftz(c0);
+    out.ecum[2 * lane + 1] = ex2_ftz(c1);
+}
+
+}  // namespace ssd_mma
