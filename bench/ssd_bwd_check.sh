@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# On a GPU machine: builds bench/ssd_bwd_check.cu and runs its correctness matrix and timings.
+#   bash bench/ssd_bwd_check.sh [check|time|all] [extra nvcc flags...]
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+mode="${1:-all}"
+nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/ssd_bwd_check bench/ssd_bwd_check.cu "${@:2}" || exit 1
+fails=0
+run() { echo "== $*"; /tmp/ssd_bwd_check "$@" || fails=$((fails + 1)); }
+if [ "$mode" != time ]; then
+  #         batch seqlen heads groups dstate dtype chunk D bias sp h0 dfin clamp
+  run check 1 64 1 1 64 bf16 64 0 0 0 0 0 0
+  run check 1 64 1 1 64 f16 64 1 1 1 1 1 0
+  run check 2 200 4 2 128 f16 128 2 1 1 1 1 1
+  run check 1 333 3 1 64 bf16 256 1 1 1 0 1 1
+  run check 2 300 4 4 128 bf16 64 2 0 1 1 0 0
+  run check 1 5 2 1 64 f16 64 1 1 1 1 1 0
+fi
+if [ "$mode" != check ]; then
+  run time 8 2048 64 1 128 bf16 256 1 1 1 0 0 0
+  run time 1 16384 64 1 128 bf16 256 1 1 1 0 0 0
+fi
+echo "failures: $fails"
+exit $((fails > 0))

@@ -1,0 +1,681 @@
+// Mamba-2 SSD backward on tensor cores (docs/ssd.md): bf16 / f16, headdim 64, dstate 64 or 128,
+// chunk_size a multiple of 64, no z. src/ops/ssd/cuda.rs takes it where it applies.
+//
+// One block of 4 warps walks one (batch, head) backwards through the sequence, the gradient dS of the
+// state leaving the current 64-step tile in mma accumulators (warp w: rows p = 16w..). Per chunk, the
+// states entering its tiles are first recomputed from the chunk's saved state (into scratch, each
+// thread its own accumulators). Per tile, with cum, dt, w as in the forward, L[t, s] = 2^(cum_t -
+// cum_s) for s <= t, S the state entering the tile (rounded to T as an mma operand):
+//   dx  = (B C^T o L)^T-ish products:  dx[s]  = dt_s sum_t L (C_t.B_s) dy_t + w_s (dS B_s) + D dy_s
+//   dB[s] = dt_s sum_t L (dy_t.x_s) C_t + w_s x_s^T dS         (per head; summed over the group later)
+//   dC[t] = sum_s L dt_s (dy_t.x_s) B_s + 2^cum_t dy_t S        (likewise)
+//   dS   <- 2^cum_last dS + sum_t 2^cum_t dy_t^T C_t
+// and ddt / dA from the gradient of cum (see tile_dt_grads). Warp w computes the step-major products
+// for rows s = 16w.. (columns t >= s) and t = 16w.. (columns s <= t). dB and dC go to per-head f32
+// partials in the workspace; dA, ddt_bias and dD to per-(batch, head) partials; the reduce kernels
+// sum them in a fixed order (no atomics: bitwise-repeatable).
+#include "ssd_mma.cuh"
+
+namespace ssd_mma {
+
+// Workspace views of a backward launch (mirror of `BwdMmaParams` in src/ops/ssd/cuda_mma.rs).
+struct SsdBwdMmaParams {
+    SsdBwdParams q;
+    float* db_part;     // (batch, seqlen, heads, dstate)
+    float* dc_part;     // (batch, seqlen, heads, dstate)
+    float* scratch;     // (batch * heads, tiles per chunk - 1, kP * dstate): recomputed tile states
+    float* da_part;     // (batch, heads)
+    float* dbias_part;  // (batch, heads)
+    float* dd_part;     // (batch, heads, kP)
+};
+
+template <typename T, int N> struct BwdSmem {
+    T x[kQ * pitch<kP>()];
+    T dy[kQ * pitch<kP>()];
+    T b[kQ * pitch<N>()];
+    T c[kQ * pitch<N>()];
+    T s[kP * pitch<N>()];   // the state entering the tile
+    T ds[kP * pitch<N>()];  // the gradient of the state leaving it
+    TileScalars sc;
+    float vcol[kWarps][kQ];  // per warp, per t: sum over its rows s of V[t, s] dt_s
+    float intra[kQ];         // per s: sum over t of V[t, s] = L (C_t.B_s)(dy_t.x_s)
+    float state[kQ];         // per s: 2^(cum_last - cum_s) x_s . (dS B_s)
+    float y0[kQ];            // per t: 2^cum_t C_t . (dy_t S)
+    float sds[kWarps];       // <dS, S> partials
+};
+
+// A fragments (m16 x k16) from a row block of f32 accumulators over two n-tiles.
+template <typename T> __device__ __forceinline__ void to_a_frag(uint32_t a[4], const float* lo, const float* hi) {
+    a[0] = pack_u32<T>(lo[0], lo[1]);
+    a[1] = pack_u32<T>(lo[2], lo[3]);
+    a[2] = pack_u32<T>(hi[0], hi[1]);
+    a[3] = pack_u32<T>(hi[2], hi[3]);
+}
+// Scales the rows (lane/4 and lane/4 + 8) of an A fragment.
+template <typename T> __device__ __forceinline__ void scale_a_rows(uint32_t a[4], float lo, float hi) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const float2 v = Ops<T>::unpack2(*reinterpret_cast<const typename Ops<T>::T2*>(&a[r]));
+        const float f = r & 1 ? hi : lo;
+        a[r] = pack_u32<T>(v.x * f, v.y * f);
+    }
+}
+// Scales the k pairs (2(lane%4) (+1) and +8) of an A fragment.
+template <typename T> __device__ __forceinline__ void scale_a_cols(uint32_t a[4], float2 lo, float2 hi) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const float2 v = Ops<T>::unpack2(*reinterpret_cast<const typename Ops<T>::T2*>(&a[r]));
+        const float2 f = r < 2 ? lo : hi;
+        a[r] = pack_u32<T>(v.x * f.x, v.y * f.y);
+    }
+}
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+template <typename T, int N> __device__ __forceinline__ void ssd_bwd_mma(const SsdBwdMmaParams& a) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    BwdSmem<T, N>& sm = *reinterpret_cast<BwdSmem<T, N>*>(smem_raw);
+    using O = Ops<T>;
+    using T2 = typename O::T2;
+    constexpr int PX = pitch<kP>(), PN = pitch<N>(), E = sizeof(T);
+    const SsdParams& p = a.q.fwd;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int64_t bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads, g = h / (p.heads / p.groups);
+    const float A = p.A[h], a_log2 = A * kLog2e;
+    const int64_t state_elems = int64_t(kP) * N;
+    const int64_t n_chunks = ssd_chunk_count(p), tiles_per_chunk = p.chunk_size / kQ;
+
+    // Per-lane ldmatrix offsets (elements), as in the forward.
+    const int a_rows = lane & 15, a_cols = (lane >> 4) * 8;
+    const int bn_rows = (lane & 7) + ((lane >> 4) << 3), bn_cols = ((lane >> 3) & 1) * 8;
+    const int bt_rows = (lane & 7) + ((lane >> 3) & 1) * 8, bt_cols = (lane >> 4) * 8;
+    const int at_rows = (lane & 7) + (lane >> 4) * 8, at_cols = ((lane >> 3) & 1) * 8;
+    const uint32_t xs = smem_addr(sm.x), dys = smem_addr(sm.dy), bs = smem_addr(sm.b), cs = smem_addr(sm.c);
+    const uint32_t ss = smem_addr(sm.s), dss = smem_addr(sm.ds);
+    const int r_lo = 16 * warp + lane / 4, r_hi = r_lo + 8;  // this thread's accumulator rows
+
+    // Tile loads: x (and dy) rows of kP, B (and C) rows of N elements; zero past the end.
+    const TileCopy<kP> xcopy;
+    const TileCopy<N> bccopy;
+    auto load_tile = [&](int64_t t0, bool with_grads) {
+        const T* x = static_cast<const T*>(p.x);
+        const T* dy = static_cast<const T*>(a.q.dy);
+#pragma unroll
+        for (int k = 0; k < TileCopy<kP>::kPasses; ++k) {
+            const int row = xcopy.row0 + k * TileCopy<kP>::kRowStep;
+            const bool valid = t0 + row < p.seqlen;
+            const int64_t off = valid ? ((b * p.seqlen + t0 + row) * p.heads + h) * kP + xcopy.col : 0;
+            cp_async16(&sm.x[row * PX + xcopy.col], x + off, valid);
+            if (with_grads) cp_async16(&sm.dy[row * PX + xcopy.col], dy + off, valid);
+        }
+        const T* Bm = static_cast<const T*>(p.B);
+        const T* Cm = static_cast<const T*>(p.C);
+#pragma unroll
+        for (int k = 0; k < TileCopy<N>::kPasses; ++k) {
+            const int row = bccopy.row0 + k * TileCopy<N>::kRowStep;
+            const bool valid = t0 + row < p.seqlen;
+            const int64_t off = valid ? ((b * p.seqlen + t0 + row) * p.groups + g) * N + bccopy.col : 0;
+            cp_async16(&sm.b[row * PN + bccopy.col], Bm + off, valid);
+            if (with_grads) cp_async16(&sm.c[row * PN + bccopy.col], Cm + off, valid);
+        }
+        cp_async_commit();
+        if (warp == 0) {
+            float raw[2];
+            load_dt<T>(p, b, h, t0, raw);
+            tile_scalars(sm.sc, p, h, a_log2, t0, raw);
+        }
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+        __syncthreads();
+    };
+    auto cum_of = [&](int t) {
+        const float4 v = sm.sc.cd[t / 2];
+        return t & 1 ? v.z : v.x;
+    };
+    auto dt_of = [&](int t) {
+        const float4 v = sm.sc.cd[t / 2];
+        return t & 1 ? v.w : v.y;
+    };
+    // Scratch slot of the state entering tile j (>= 1) of a chunk: each thread's accumulators as float4s.
+    auto scratch_slot = [&](int64_t j) {
+        return reinterpret_cast<float4*>(a.scratch + (bh * (tiles_per_chunk - 1) + (j - 1)) * state_elems) + tid;
+    };
+
+    float ds[N / 8][4];  // dS: gradient of the state leaving the current tile
+    for_state_pairs<N>(ds, [&](float* acc, int row, int col) {
+        float2 v = make_float2(0.f, 0.f);
+        if (a.q.dfinal_states) v = *reinterpret_cast<const float2*>(a.q.dfinal_states + bh * state_elems + row * N + col);
+        acc[0] = v.x;
+        acc[1] = v.y;
+    });
+    float dd_acc[kP / 8][2] = {};  // sum of dy x over this thread's (rows, columns 8j + 2(lane%4) (+1))
+    float da_acc = 0.f, dbias_acc = 0.f;  // warp 0
+
+    for (int64_t chunk = n_chunks - 1; chunk >= 0; --chunk) {
+        const int64_t c0 = chunk * p.chunk_size;
+        const int64_t tiles = min(tiles_per_chunk, (p.seqlen - c0 + kQ - 1) / kQ);
+        // Recompute the states entering tiles 1..tiles-1 of the chunk.
+        if (tiles > 1) {
+            float s[N / 8][4];
+            for_state_pairs<N>(s, [&](float* acc, int row, int col) {
+                const float2 v = *reinterpret_cast<const float2*>(p.chunk_states + ((bh * kP + row) * n_chunks + chunk) * N + col);
+                acc[0] = v.x;
+                acc[1] = v.y;
+            });
+            for (int64_t j = 0; j + 1 < tiles; ++j) {
+                load_tile(c0 + j * kQ, false);
+                const float decay = ex2_ftz(sm.sc.cd[kQ / 2 - 1].z);
+#pragma unroll
+                for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[n][e] *= decay;
+#pragma unroll
+                for (int kk = 0; kk < kQ / 16; ++kk) {
+                    uint32_t af[4];
+                    ldsm_x4_trans(af, xs + ((16 * kk + at_rows) * PX + 16 * warp + at_cols) * E);
+                    scale_a_cols<T>(af, sm.sc.w[8 * kk + lane % 4], sm.sc.w[8 * kk + 4 + lane % 4]);
+#pragma unroll
+                    for (int q = 0; q < N / 16; ++q) {
+                        uint32_t bb[4];
+                        ldsm_x4_trans(bb, bs + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
+                        O::mma(s[2 * q], af, bb[0], bb[1]);
+                        O::mma(s[2 * q + 1], af, bb[2], bb[3]);
+                    }
+                }
+                float4* slot = scratch_slot(j + 1);
+#pragma unroll
+                for (int n = 0; n < N / 8; ++n) slot[n * kThreads] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
+                __syncthreads();
+            }
+        }
+
+        for (int64_t j = tiles - 1; j >= 0; --j) {
+            const int64_t t0 = c0 + j * kQ;
+            // S entering the tile (f32, this thread's accumulator positions), and <dS, S>.
+            float sds = 0.f;
+            {
+                float sv[N / 8][4];
+                if (j == 0) {
+                    for_state_pairs<N>(sv, [&](float* acc, int row, int col) {
+                        const float2 v = *reinterpret_cast<const float2*>(
+                            p.chunk_states + ((bh * kP + row) * n_chunks + chunk) * N + col);
+                        acc[0] = v.x;
+                        acc[1] = v.y;
+                    });
+                } else {
+                    const float4* slot = scratch_slot(j);
+#pragma unroll
+                    for (int n = 0; n < N / 8; ++n) {
+                        const float4 v = slot[n * kThreads];
+                        sv[n][0] = v.x, sv[n][1] = v.y, sv[n][2] = v.z, sv[n][3] = v.w;
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) sds = fmaf(ds[n][e], sv[n][e], sds);
+                for_state_pairs<N>(sv, [&](float* acc, int row, int col) {
+                    *reinterpret_cast<T2*>(&sm.s[row * PN + col]) = O::pack2(acc[0], acc[1]);
+                });
+                for_state_pairs<N>(ds, [&](float* acc, int row, int col) {
+                    *reinterpret_cast<T2*>(&sm.ds[row * PN + col]) = O::pack2(acc[0], acc[1]);
+                });
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sds += __shfl_xor_sync(0xffffffffu, sds, o);
+            if (lane == 0) sm.sds[warp] = sds;
+            load_tile(t0, true);  // ends with __syncthreads: the writes above are visible too
+
+            const float cum_last = sm.sc.cd[kQ / 2 - 1].z;
+            const float cum_lo = cum_of(r_lo), cum_hi = cum_of(r_hi);
+            const float dt_lo = dt_of(r_lo), dt_hi = dt_of(r_hi);
+
+            // ---- Rows s = 16 warp.. : dx, dB, and the dt terms of s.
+            {
+                float p1[kQ / 8][4] = {};  // C_t . B_s for t-tiles >= 2 warp
+                float dx[kP / 8][4] = {};  // first dS B_s, then dx
+#pragma unroll
+                for (int kk = 0; kk < N / 16; ++kk) {
+                    uint32_t af[4];
+                    ldsm_x4(af, bs + ((16 * warp + a_rows) * PN + 16 * kk + a_cols) * E);
+#pragma unroll
+                    for (int pr = 0; pr < kQ / 16; ++pr) {
+                        if (pr < warp) continue;  // t >= s
+                        uint32_t bb[4];
+                        ldsm_x4(bb, cs + ((16 * pr + bn_rows) * PN + 16 * kk + bn_cols) * E);
+                        O::mma(p1[2 * pr], af, bb[0], bb[1]);
+                        O::mma(p1[2 * pr + 1], af, bb[2], bb[3]);
+                    }
+#pragma unroll
+                    for (int pr = 0; pr < kP / 16; ++pr) {
+                        uint32_t bb[4];
+                        ldsm_x4(bb, dss + ((16 * pr + bn_rows) * PN + 16 * kk + bn_cols) * E);
+                        O::mma(dx[2 * pr], af, bb[0], bb[1]);
+                        O::mma(dx[2 * pr + 1], af, bb[2], bb[3]);
+                    }
+                }
+                // state_s = 2^(cum_last - cum_s) x_s . (dS B_s); then dx = w_s dS B_s.
+                float st_lo = 0.f, st_hi = 0.f;
+#pragma unroll
+                for (int jn = 0; jn < kP / 8; ++jn) {
+                    const int col = 8 * jn + 2 * (lane % 4);
+                    const float2 xlo = O::unpack2(*reinterpret_cast<const T2*>(&sm.x[r_lo * PX + col]));
+                    const float2 xhi = O::unpack2(*reinterpret_cast<const T2*>(&sm.x[r_hi * PX + col]));
+                    st_lo += xlo.x * dx[jn][0] + xlo.y * dx[jn][1];
+                    st_hi += xhi.x * dx[jn][2] + xhi.y * dx[jn][3];
+                }
+                const float decay_lo = ex2_ftz(cum_last - cum_lo), decay_hi = ex2_ftz(cum_last - cum_hi);
+                st_lo = quad_sum(st_lo) * decay_lo;
+                st_hi = quad_sum(st_hi) * decay_hi;
+                if (lane % 4 == 0) {
+                    sm.state[r_lo] = st_lo;
+                    sm.state[r_hi] = st_hi;
+                }
+                const float w_lo = decay_lo * dt_lo, w_hi = decay_hi * dt_hi;
+#pragma unroll
+                for (int jn = 0; jn < kP / 8; ++jn) {
+                    dx[jn][0] *= w_lo, dx[jn][1] *= w_lo, dx[jn][2] *= w_hi, dx[jn][3] *= w_hi;
+                }
+                // x_s . dy_t for t-tiles >= 2 warp.
+                float g2[kQ / 8][4] = {};
+#pragma unroll
+                for (int kk = 0; kk < kP / 16; ++kk) {
+                    uint32_t af[4];
+                    ldsm_x4(af, xs + ((16 * warp + a_rows) * PX + 16 * kk + a_cols) * E);
+#pragma unroll
+                    for (int pr = 0; pr < kQ / 16; ++pr) {
+                        if (pr < warp) continue;
+                        uint32_t bb[4];
+                        ldsm_x4(bb, dys + ((16 * pr + bn_rows) * PX + 16 * kk + bn_cols) * E);
+                        O::mma(g2[2 * pr], af, bb[0], bb[1]);
+                        O::mma(g2[2 * pr + 1], af, bb[2], bb[3]);
+                    }
+                }
+                // Mask and decay: a1 = P1 L dt_s (for dx), a2 = G2 L dt_s (for dB), V = P1 G2 L.
+                uint32_t a1[kQ / 16][4], a2[kQ / 16][4];
+                float in_lo = 0.f, in_hi = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < kQ / 8; ++nt) {
+                    float vsum[2] = {0.f, 0.f};  // over rows, for columns t0, t0 + 1
+                    if (nt >= 2 * warp) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int t = 8 * nt + 2 * (lane % 4) + (e & 1), srow = e < 2 ? r_lo : r_hi;
+                            const float l = t >= srow ? ex2_ftz(cum_of(t) - (e < 2 ? cum_lo : cum_hi)) : 0.f;
+                            const float dts = e < 2 ? dt_lo : dt_hi;
+                            const float v = p1[nt][e] * g2[nt][e] * l;
+                            p1[nt][e] *= l * dts;
+                            g2[nt][e] *= l * dts;
+                            (e < 2 ? in_lo : in_hi) += v;
+                            vsum[e & 1] += v * dts;
+                        }
+                    }
+                    // Sum over the 8 row groups of the warp (lanes with equal lane % 4).
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+                        for (int o = 4; o < 32; o <<= 1) vsum[e] += __shfl_xor_sync(0xffffffffu, vsum[e], o);
+                    }
+                    if (lane < 4) {
+                        sm.vcol[warp][8 * nt + 2 * lane] = vsum[0];
+                        sm.vcol[warp][8 * nt + 2 * lane + 1] = vsum[1];
+                    }
+                }
+                in_lo = quad_sum(in_lo);
+                in_hi = quad_sum(in_hi);
+                if (lane % 4 == 0) {
+                    sm.intra[r_lo] = in_lo;
+                    sm.intra[r_hi] = in_hi;
+                }
+#pragma unroll
+                for (int pr = 0; pr < kQ / 16; ++pr) {
+                    to_a_frag<T>(a1[pr], p1[2 * pr], p1[2 * pr + 1]);
+                    to_a_frag<T>(a2[pr], g2[2 * pr], g2[2 * pr + 1]);
+                }
+                // dx += a1 dy (k = t).
+#pragma unroll
+                for (int pr = 0; pr < kQ / 16; ++pr) {
+                    if (pr < warp) continue;
+#pragma unroll
+                    for (int q = 0; q < kP / 16; ++q) {
+                        uint32_t bb[4];
+                        ldsm_x4_trans(bb, dys + ((16 * pr + bt_rows) * PX + 16 * q + bt_cols) * E);
+                        O::mma(dx[2 * q], a1[pr], bb[0], bb[1]);
+                        O::mma(dx[2 * q + 1], a1[pr], bb[2], bb[3]);
+                    }
+                }
+                // dx += D dy; dD partials; store.
+                T* dx_out = static_cast<T*>(a.q.dx);
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int row = half ? r_hi : r_lo;
+                    const int64_t t = t0 + row;
+#pragma unroll
+                    for (int jn = 0; jn < kP / 8; ++jn) {
+                        const int col = 8 * jn + 2 * (lane % 4);
+                        const float2 dyv = O::unpack2(*reinterpret_cast<const T2*>(&sm.dy[row * PX + col]));
+                        const float2 xv = O::unpack2(*reinterpret_cast<const T2*>(&sm.x[row * PX + col]));
+                        dd_acc[jn][0] += dyv.x * xv.x;
+                        dd_acc[jn][1] += dyv.y * xv.y;
+                        if (t < p.seqlen) {
+                            const float d0 = p.D ? p.D[p.D_per_channel ? h * kP + col : h] : 0.f;
+                            const float d1 = p.D ? p.D[p.D_per_channel ? h * kP + col + 1 : h] : 0.f;
+                            *reinterpret_cast<T2*>(dx_out + ((b * p.seqlen + t) * p.heads + h) * kP + col) =
+                                O::pack2(dx[jn][2 * half] + d0 * dyv.x, dx[jn][2 * half + 1] + d1 * dyv.y);
+                        }
+                    }
+                }
+                // dB = w_s x_s^T dS + a2 C.
+                float db[N / 8][4] = {};
+#pragma unroll
+                for (int kk = 0; kk < kP / 16; ++kk) {
+                    uint32_t af[4];
+                    ldsm_x4(af, xs + ((16 * warp + a_rows) * PX + 16 * kk + a_cols) * E);
+                    scale_a_rows<T>(af, w_lo, w_hi);
+#pragma unroll
+                    for (int q = 0; q < N / 16; ++q) {
+                        uint32_t bb[4];
+                        ldsm_x4_trans(bb, dss + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
+                        O::mma(db[2 * q], af, bb[0], bb[1]);
+                        O::mma(db[2 * q + 1], af, bb[2], bb[3]);
+                    }
+                }
+#pragma unroll
+                for (int pr = 0; pr < kQ / 16; ++pr) {
+                    if (pr < warp) continue;
+#pragma unroll
+                    for (int q = 0; q < N / 16; ++q) {
+                        uint32_t bb[4];
+                        ldsm_x4_trans(bb, cs + ((16 * pr + bt_rows) * PN + 16 * q + bt_cols) * E);
+                        O::mma(db[2 * q], a2[pr], bb[0], bb[1]);
+                        O::mma(db[2 * q + 1], a2[pr], bb[2], bb[3]);
+                    }
+                }
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int64_t t = t0 + (half ? r_hi : r_lo);
+                    if (t >= p.seqlen) continue;
+                    float* dst = a.db_part + ((b * p.seqlen + t) * p.heads + h) * N + 2 * (lane % 4);
+#pragma unroll
+                    for (int q = 0; q < N / 8; ++q)
+                        *reinterpret_cast<float2*>(dst + 8 * q) = make_float2(db[q][2 * half], db[q][2 * half + 1]);
+                }
+            }
+
+            // ---- Rows t = 16 warp.. : dC and the y term of cum_t.
+            {
+                const float e_lo = sm.sc.ecum[r_lo], e_hi = sm.sc.ecum[r_hi];
+                float dc[N / 8][4] = {};  // first 2^cum_t dy_t S
+#pragma unroll
+                for (int kk = 0; kk < kP / 16; ++kk) {
+                    uint32_t af[4];
+                    ldsm_x4(af, dys + ((16 * warp + a_rows) * PX + 16 * kk + a_cols) * E);
+                    scale_a_rows<T>(af, e_lo, e_hi);
+#pragma unroll
+                    for (int q = 0; q < N / 16; ++q) {
+                        uint32_t bb[4];
+                        ldsm_x4_trans(bb, ss + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
+                        O::mma(dc[2 * q], af, bb[0], bb[1]);
+                        O::mma(dc[2 * q + 1], af, bb[2], bb[3]);
+                    }
+                }
+                float y_lo = 0.f, y_hi = 0.f;
+#pragma unroll
+                for (int q = 0; q < N / 8; ++q) {
+                    const int col = 8 * q + 2 * (lane % 4);
+                    const float2 clo = O::unpack2(*reinterpret_cast<const T2*>(&sm.c[r_lo * PN + col]));
+                    const float2 chi = O::unpack2(*reinterpret_cast<const T2*>(&sm.c[r_hi * PN + col]));
+                    y_lo += clo.x * dc[q][0] + clo.y * dc[q][1];
+                    y_hi += chi.x * dc[q][2] + chi.y * dc[q][3];
+                }
+                y_lo = quad_sum(y_lo);
+                y_hi = quad_sum(y_hi);
+                if (lane % 4 == 0) {
+                    sm.y0[r_lo] = y_lo;
+                    sm.y0[r_hi] = y_hi;
+                }
+                // dy_t . x_s for s-tiles <= 2 warp + 1, masked and decayed: a3 = G2 L dt_s.
+                float g2[kQ / 8][4] = {};
+#pragma unroll
+                for (int kk = 0; kk < kP / 16; ++kk) {
+                    uint32_t af[4];
+                    ldsm_x4(af, dys + ((16 * warp + a_rows) * PX + 16 * kk + a_cols) * E);
+#pragma unroll
+                    for (int pr = 0; pr < kQ / 16; ++pr) {
+                        if (pr > warp) break;
+                        uint32_t bb[4];
+                        ldsm_x4(bb, xs + ((16 * pr + bn_rows) * PX + 16 * kk + bn_cols) * E);
+                        O::mma(g2[2 * pr], af, bb[0], bb[1]);
+                        O::mma(g2[2 * pr + 1], af, bb[2], bb[3]);
+                    }
+                }
+#pragma unroll
+                for (int pr = 0; pr < kQ / 16; ++pr) {
+                    if (pr > warp) break;
+                    uint32_t a3[4];
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        float* acc = g2[2 * pr + half];
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int s = 16 * pr + 8 * half + 2 * (lane % 4) + (e & 1), trow = e < 2 ? r_lo : r_hi;
+                            acc[e] = s <= trow ? acc[e] * ex2_ftz((e < 2 ? cum_lo : cum_hi) - cum_of(s)) * dt_of(s) : 0.f;
+                        }
+                    }
+                    to_a_frag<T>(a3, g2[2 * pr], g2[2 * pr + 1]);
+#pragma unroll
+                    for (int q = 0; q < N / 16; ++q) {
+                        uint32_t bb[4];
+                        ldsm_x4_trans(bb, bs + ((16 * pr + bt_rows) * PN + 16 * q + bt_cols) * E);
+                        O::mma(dc[2 * q], a3, bb[0], bb[1]);
+                        O::mma(dc[2 * q + 1], a3, bb[2], bb[3]);
+                    }
+                }
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int64_t t = t0 + (half ? r_hi : r_lo);
+                    if (t >= p.seqlen) continue;
+                    float* dst = a.dc_part + ((b * p.seqlen + t) * p.heads + h) * N + 2 * (lane % 4);
+#pragma unroll
+                    for (int q = 0; q < N / 8; ++q)
+                        *reinterpret_cast<float2*>(dst + 8 * q) = make_float2(dc[q][2 * half], dc[q][2 * half + 1]);
+                }
+            }
+
+            // ---- dS <- 2^cum_last dS + (2^cum o dy)^T C, rows p = 16 warp.. .
+            {
+                const float decay = ex2_ftz(cum_last);
+#pragma unroll
+                for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) ds[n][e] *= decay;
+#pragma unroll
+                for (int kk = 0; kk < kQ / 16; ++kk) {
+                    uint32_t af[4];
+                    ldsm_x4_trans(af, dys + ((16 * kk + at_rows) * PX + 16 * warp + at_cols) * E);
+                    const int k0 = 16 * kk + 2 * (lane % 4);
+                    scale_a_cols<T>(af, make_float2(sm.sc.ecum[k0], sm.sc.ecum[k0 + 1]),
+                                    make_float2(sm.sc.ecum[k0 + 8], sm.sc.ecum[k0 + 9]));
+#pragma unroll
+                    for (int q = 0; q < N / 16; ++q) {
+                        uint32_t bb[4];
+                        ldsm_x4_trans(bb, cs + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
+                        O::mma(ds[2 * q], af, bb[0], bb[1]);
+                        O::mma(ds[2 * q + 1], af, bb[2], bb[3]);
+                    }
+                }
+            }
+            __syncthreads();
+
+            // ---- Warp 0: the gradient of cum, then ddt and dA. Lane l owns steps 2l and 2l + 1.
+            //   dCum_t = y0_t + sum_s V[t,s] dt_s - dt_t intra_t - dt_t state_t
+            //            (+ at the last step: 2^cum_last <dS, S> + sum_s dt_s state_s)
+            //   ddt_t  = intra_t + state_t + A sum_{t' >= t} dCum_t',  dA += dt_t sum_{t' >= t} dCum_t'
+            if (warp == 0) {
+                float dcum[2], dts[2], direct[2];
+                float u_sum = 0.f;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int t = 2 * lane + e;
+                    dts[e] = dt_of(t);
+                    float vc = 0.f;
+#pragma unroll
+                    for (int w = 0; w < kWarps; ++w) vc += sm.vcol[w][t];
+                    direct[e] = sm.intra[t] + sm.state[t];
+                    dcum[e] = sm.y0[t] + vc - dts[e] * direct[e];
+                    u_sum += dts[e] * sm.state[t];
+                }
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) u_sum += __shfl_xor_sync(0xffffffffu, u_sum, o);
+                if (lane == 31) {
+                    float sds_all = 0.f;
+#pragma unroll
+                    for (int w = 0; w < kWarps; ++w) sds_all += sm.sds[w];
+                    dcum[1] += ex2_ftz(cum_last) * sds_all + u_sum;
+                }
+                // Suffix sums over the tile: R_t = sum_{t' >= t} dCum_t'.
+                const float pair = dcum[0] + dcum[1];
+                float suffix = pair;
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    const float other = __shfl_down_sync(0xffffffffu, suffix, o);
+                    if (lane + o < 32) suffix += other;
+                }
+                const float r1 = suffix - pair + dcum[1], r0 = suffix;
+                const float rs[2] = {r0, r1};
+                const T* dt_in = static_cast<const T*>(p.dt);
+                T* ddt_out = static_cast<T*>(a.q.ddt);
+                const float bias = p.dt_bias ? p.dt_bias[h] : 0.f;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int64_t t = t0 + 2 * lane + e;
+                    if (t >= p.seqlen) continue;
+                    const float ddt = direct[e] + A * rs[e];
+                    da_acc += dts[e] * rs[e];
+                    // Through the clamp, softplus and bias to the raw dt.
+                    const int64_t idx = (b * p.seqlen + t) * p.heads + h;
+                    const float v = to_f32(dt_in[idx]) + bias;
+                    bool passes;
+                    ssd_dt(p, to_f32(dt_in[idx]), h, &passes);
+                    float graw = passes ? ddt : 0.f;
+                    if (p.dt_softplus) graw *= 1.f / (1.f + expf(-v));
+                    ddt_out[idx] = from_f32<T>(graw);
+                    dbias_acc += graw;
+                }
+            }
+            __syncthreads();  // before the next tile's loads overwrite shared memory
+        }
+    }
+
+    // dinitial_states, and the per-(batch, head) partials.
+    if (a.q.dinitial_states) {
+        for_state_pairs<N>(ds, [&](float* acc, int row, int col) {
+            *reinterpret_cast<float2*>(a.q.dinitial_states + bh * state_elems + row * N + col) = make_float2(acc[0], acc[1]);
+        });
+    }
+    // dD: sum the thread's columns over its rows (all lanes with equal lane % 4, all warps).
+    float* dd_cols = sm.intra;  // reused: kP floats
+    if (tid < kP) dd_cols[tid] = 0.f;
+    __syncthreads();
+#pragma unroll
+    for (int jn = 0; jn < kP / 8; ++jn)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float v = dd_acc[jn][e];
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            dd_acc[jn][e] = v;
+        }
+    for (int w = 0; w < kWarps; ++w) {  // fixed order over warps
+        if (warp == w && lane < 4) {
+#pragma unroll
+            for (int jn = 0; jn < kP / 8; ++jn) {
+                dd_cols[8 * jn + 2 * lane] += dd_acc[jn][0];
+                dd_cols[8 * jn + 2 * lane + 1] += dd_acc[jn][1];
+            }
+        }
+        __syncthreads();
+    }
+    if (tid < kP) a.dd_part[bh * kP + tid] = dd_cols[tid];
+    if (warp == 0) {  // each lane of warp 0 summed its own steps
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            da_acc += __shfl_xor_sync(0xffffffffu, da_acc, o);
+            dbias_acc += __shfl_xor_sync(0xffffffffu, dbias_acc, o);
+        }
+        if (lane == 0) {
+            a.da_part[bh] = da_acc;
+            a.dbias_part[bh] = dbias_acc;
+        }
+    }
+}
+
+// Fixed-order sums of the partials: dB, dC over the heads of a group (grid-stride over (batch, seqlen,
+// groups, dstate)); then dA, ddt_bias, dD over the batch (one thread per head, or (head, p)).
+template <typename T> __device__ __forceinline__ void reduce_bc(const SsdBwdMmaParams& a) {
+    const SsdParams& p = a.q.fwd;
+    const int64_t total = p.batch * p.seqlen * p.groups * p.dstate, per_group = p.heads / p.groups;
+    T* dB = static_cast<T*>(a.q.dB);
+    T* dC = static_cast<T*>(a.q.dC);
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t n = i % p.dstate, g = (i / p.dstate) % p.groups, bl = i / (p.dstate * p.groups);
+        const int64_t base = (bl * p.heads + g * per_group) * p.dstate + n;
+        float sb = 0.f, sc = 0.f;
+        for (int64_t k = 0; k < per_group; ++k) {
+            sb += a.db_part[base + k * p.dstate];
+            sc += a.dc_part[base + k * p.dstate];
+        }
+        dB[i] = from_f32<T>(sb);
+        dC[i] = from_f32<T>(sc);
+    }
+}
+
+__device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
+    const SsdParams& p = a.q.fwd;
+    const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;  // (head, p)
+    if (i >= p.heads * kP) return;
+    const int64_t h = i / kP, col = i % kP;
+    if (a.q.dD && (p.D_per_channel || col == 0)) {
+        float s = 0.f;
+        for (int64_t b = 0; b < p.batch; ++b) {
+            if (p.D_per_channel) {
+                s += a.dd_part[(b * p.heads + h) * kP + col];
+            } else {
+                for (int c = 0; c < kP; ++c) s += a.dd_part[(b * p.heads + h) * kP + c];
+            }
+        }
+        a.q.dD[p.D_per_channel ? i : h] = s;
+    }
+    if (col == 0) {
+        float da = 0.f, dbias = 0.f;
+        for (int64_t b = 0; b < p.batch; ++b) {
+            da += a.da_part[b * p.heads + h];
+            dbias += a.dbias_part[b * p.heads + h];
+        }
+        a.q.dA[h] = da;
+        if (a.q.ddt_bias) a.q.ddt_bias[h] = dbias;
+    }
+}
+
+}  // namespace ssd_mma
+
+// extern "C" entry points: ssd_bwd_mma_<T>_n<N> (grid batch * heads, kThreads threads,
+// sizeof(BwdSmem<T, N>) bytes of dynamic shared memory), ssd_bwd_reduce_bc_<T> (grid-stride),
+// ssd_bwd_reduce_params (one thread per (head, p)).
+#define SSD_BWD_MMA(T, N)                                                                          \
+    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                             \
+        ssd_bwd_mma_##T##_n##N(const ssd_mma::SsdBwdMmaParams a) {                                 \
+        ssd_mma::ssd_bwd_mma<T, N>(a);                                                             \
+    }
+SSD_BWD_MMA(bf16, 64)
+SSD_BWD_MMA(bf16, 128)
+SSD_BWD_MMA(f16, 64)
+SSD_BWD_MMA(f16, 128)
+#define SSD_BWD_REDUCE(T)                                                                           \
+    extern "C" __global__ void ssd_bwd_reduce_bc_##T(const ssd_mma::SsdBwdMmaParams a) {           \
+        ssd_mma::reduce_bc<T>(a);                                                          \
+    }
+SSD_BWD_REDUCE(bf16)
+SSD_BWD_REDUCE(f16)
+extern "C" __global__ void ssd_bwd_reduce_params(const ssd_mma::SsdBwdMmaParams a) { ssd_mma::reduce_params(a); }
