@@ -53,6 +53,53 @@ struct DecodeParams {
 };
 
 
+// softplus for the fast decode kernels, in fewer instructions than log1pf(expf(x)): with e = e^x,
+// ln(1 + e) is a series below e = 1/16 (error < e^6 / 7, so tiny dt stays exact to f32) and
+// lg2(1 + e) * ln 2 above (lg2.approx's error over a result >= 0.087: relative error < 3e-6).
+// XLA_SSM_DECODE_SOFTPLUS=0 (bench/state_update_check.cu) builds the accurate one instead.
+#ifndef XLA_SSM_DECODE_SOFTPLUS
+#define XLA_SSM_DECODE_SOFTPLUS 1
+#endif
+__device__ __forceinline__ float softplus_decode(float x) {
+#if XLA_SSM_DECODE_SOFTPLUS
+    const float e = ex2_ftz(x * kLog2e);
+    float series = fmaf(e, -1.f / 6.f, 1.f / 5.f);
+    series = fmaf(e, series, -1.f / 4.f);
+    series = fmaf(e, series, 1.f / 3.f);
+    series = fmaf(e, series, -1.f / 2.f);
+    series = fmaf(e, series, 1.f);
+    float lg;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(lg) : "f"(1.f + e));
+    return x > 20.f ? x : e < 0.0625f ? e * series : lg * 0.6931471805599453f;
+#else
+    return softplus(x);
+#endif
+}
+
+// How the state (read once, written once) meets the caches; a knob for bench/state_update_check.cu:
+// 0, the default: evict-first loads and stores (.cs); 1: the default policy (slower, BENCHMARKS.md).
+#ifndef XLA_SSM_STATE_CACHE
+#define XLA_SSM_STATE_CACHE 0
+#endif
+
+template <typename V>
+__device__ __forceinline__ V load_state(const V* p) {
+#if XLA_SSM_STATE_CACHE == 1
+    return *p;
+#else
+    return __ldcs(p);
+#endif
+}
+
+template <typename V>
+__device__ __forceinline__ void store_state(V* p, V v) {
+#if XLA_SSM_STATE_CACHE == 1
+    *p = v;
+#else
+    __stcs(p, v);
+#endif
+}
+
 template <int Bytes> struct Raw;
 template <> struct Raw<16> { typedef int4 type; };
 template <> struct Raw<8> { typedef int2 type; };
@@ -60,8 +107,8 @@ template <> struct Raw<4> { typedef int type; };
 template <> struct Raw<2> { typedef short type; };
 
 // N consecutive elements from p as floats: in vectors of up to 16 bytes when `vec` (aligned, all
-// valid), else element by element, those past `valid` read as 0. `Stream`: the data is read once
-// (evict-first), as the state is.
+// valid), else element by element, those past `valid` read as 0. `Stream`: the data is the state
+// (read once: load_state).
 template <int N, bool Stream, typename T>
 __device__ __forceinline__ void load_n(const T* p, int64_t valid, bool vec, float (&out)[N]) {
     if (vec) {
@@ -70,7 +117,7 @@ __device__ __forceinline__ void load_n(const T* p, int64_t valid, bool vec, floa
         typedef typename Raw<kChunk>::type V;
         V raw[kBytes / kChunk];
 #pragma unroll
-        for (int i = 0; i < kBytes / kChunk; ++i) raw[i] = Stream ? __ldcs(reinterpret_cast<const V*>(p) + i) : __ldg(reinterpret_cast<const V*>(p) + i);
+        for (int i = 0; i < kBytes / kChunk; ++i) raw[i] = Stream ? load_state(reinterpret_cast<const V*>(p) + i) : __ldg(reinterpret_cast<const V*>(p) + i);
         const T* e = reinterpret_cast<const T*>(raw);
 #pragma unroll
         for (int k = 0; k < N; ++k) out[k] = to_f32(e[k]);
@@ -91,7 +138,7 @@ __device__ __forceinline__ void store_n(T* p, int64_t valid, bool vec, const flo
 #pragma unroll
         for (int k = 0; k < N; ++k) e[k] = from_f32<T>(v[k]);
 #pragma unroll
-        for (int i = 0; i < kBytes / kChunk; ++i) __stcs(reinterpret_cast<V*>(p) + i, raw[i]);
+        for (int i = 0; i < kBytes / kChunk; ++i) store_state(reinterpret_cast<V*>(p) + i, raw[i]);
     } else {
 #pragma unroll
         for (int k = 0; k < N; ++k)
@@ -99,11 +146,14 @@ __device__ __forceinline__ void store_n(T* p, int64_t valid, bool vec, const flo
     }
 }
 
-// Sum over the `lanes` threads of a row (adjacent lanes of one warp). Every thread of the warp
-// must call it.
-__device__ __forceinline__ float row_sum(float v, int lanes) {
-    for (int off = lanes / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+// Sum over the `lanes` threads of a row (adjacent lanes of one warp). Every thread in `mask` must
+// call it: by default the whole warp; row_mask(lanes) names the calling row's lanes only.
+__device__ __forceinline__ float row_sum(float v, int lanes, unsigned mask = 0xffffffffu) {
+    for (int off = lanes / 2; off > 0; off /= 2) v += __shfl_xor_sync(mask, v, off);
     return v;
+}
+__device__ __forceinline__ unsigned row_mask(int lanes) {
+    return lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1) << ((threadIdx.x & 31) & ~(lanes - 1));
 }
 
 // One row's share of the state update: this lane's states of row (b, d) in `slot`, with input x and

@@ -91,95 +91,83 @@ __device__ __forceinline__ void decode_step(const DecodeParams q) {
 }
 
 // The fast path, for a vectorized state of exactly one 16-byte vector per lane (dstate == lanes * kN):
-// each thread group takes R rows (a block's rows for each r contiguous) and issues every load of
-// its rows before any arithmetic. Instantiated with R = 1: R = 4 was slower on the H100
-// (BENCHMARKS.md), and the host takes this path on small problems only.
-// `kFused`: the row's first lane also runs the conv (decode_step's conv half).
-// Largest block of the fast kernels (more registers per thread than the general ones).
-constexpr int kFastBlock = 256;
+// a thread per state vector, every load of its row issued before any arithmetic, and few
+// instructions per row, so that the kernel runs near the HBM copy rate (BENCHMARKS.md). The grid
+// is two-dimensional, so that no thread divides by dim: block (x, y) takes channels
+// [x * per_block, (x + 1) * per_block) of batch rows y, y + gridDim.y, ... Rows past dim return at
+// once (a row's lanes sum over the row's own shuffle mask). `kFused`: the conv first (decode_step's
+// conv half), lane k < width holding tap k (the host takes this path only when lanes >= width) and
+// writing it back one place older, so that no lane waits for another's load.
+constexpr int kFastBlock = 128;  // measured best on the H100 (BENCHMARKS.md)
+// Resident blocks asked of the compiler for the state update with an f32 state: 40 registers, so
+// 1536 threads per SM (45 and 1280 without; a half state would spill at 40).
+template <typename S>
+constexpr int kFastMinBlocks = sizeof(S) == 4 ? 12 : 1;
 
-template <typename T, typename W, typename S, typename WT, bool kFused, int R>
+template <typename T, typename W, typename S, typename WT, bool kFused>
 __device__ __forceinline__ void rows_fast(const DecodeParams q) {
     const StateUpdateParams& p = q.ssm;
     constexpr int kN = 16 / sizeof(S);
     const int lanes = p.lanes;
-    const int per_block = blockDim.x / lanes;
     const int lane = threadIdx.x & (lanes - 1);
-    const int64_t first = (int64_t)blockIdx.x * per_block * R + threadIdx.x / lanes;
-    const int64_t total = p.batch * p.dim;
-    float h[R][kN], a[R][kN], bv[R][kN], cv[R][kN], x[R], dt[R], zv[R], win[R][3], cw[R][4], cb[R];
-    int64_t slot[R];
-    bool ok[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const int64_t row = first + (int64_t)r * per_block;
-        const int64_t b = row / p.dim, d = row - b * p.dim;
-        slot[r] = row < total ? slot_of(p.state_batch_indices, b) : -1;
-        ok[r] = slot[r] >= 0 && slot[r] < p.n_slots;
-        if (!ok[r]) continue;
-        const int64_t n = (int64_t)lane * kN;
-        const int64_t bc = (b * p.groups + d / p.dim_per_group) * p.dstate + n;
-        load_n<kN, true>(static_cast<const S*>(p.state) + (slot[r] * p.dim + d) * p.dstate + n, kN, true, h[r]);
-        load_n<kN, false>(p.A + d * p.dstate + n, kN, true, a[r]);
-        load_n<kN, false>(static_cast<const W*>(p.B) + bc, kN, true, bv[r]);
-        load_n<kN, false>(static_cast<const W*>(p.C) + bc, kN, true, cv[r]);
-        x[r] = to_f32(static_cast<const T*>(p.x)[row]);
-        dt[r] = to_f32(static_cast<const T*>(p.dt)[row]) + (p.dt_bias ? p.dt_bias[d] : 0.f);
-        zv[r] = p.z ? to_f32(static_cast<const T*>(p.z)[row]) : 0.f;
-        if (kFused && lane == 0) {
-            const int w = (int)q.width;
-            const T* cs = static_cast<const T*>(q.conv_state) + (slot[r] * p.dim + d) * (w - 1);
-            const WT* wt = static_cast<const WT*>(q.conv_weight) + d * w;
-            // Taps on the conv state (k < w - 1) and the tap on the new input, kept apart so that
-            // every register index is static.
-#pragma unroll
-            for (int k = 0; k < 3; ++k) {
-                win[r][k] = k < w - 1 ? to_f32(cs[k]) : 0.f;
-                cw[r][k] = k < w - 1 ? to_f32(wt[k]) : 0.f;
-            }
-            cw[r][3] = to_f32(wt[w - 1]);
-            cb[r] = q.conv_bias ? to_f32(static_cast<const WT*>(q.conv_bias)[d]) : 0.f;
-        }
+    // lanes is a power of two dividing blockDim.x: a shift, not a division.
+    const int64_t d = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> (__ffs(lanes) - 1);
+    if (d >= p.dim) return;
+    const unsigned mask = row_mask(lanes);
+    const int64_t n = (int64_t)lane * kN;
+    const int64_t group = p.groups == 1 ? 0 : d / p.dim_per_group;
+    float a[kN], dt_bias = 0.f, skip_coef = 0.f;
+    load_n<kN, false>(p.A + d * p.dstate + n, kN, true, a);
+    if (p.dt_bias) dt_bias = __ldg(p.dt_bias + d);
+    if (p.D && lane == 0) skip_coef = __ldg(p.D + d);
+    // The conv: this lane's tap weight (0 past the width) and, on the first lane, the bias.
+    const int w = kFused ? (int)q.width : 0;
+    float tap_weight = 0.f, conv_bias = 0.f;
+    if (kFused) {
+        if (lane < w) tap_weight = to_f32(static_cast<const WT*>(q.conv_weight)[d * w + lane]);
+        if (q.conv_bias && lane == 0) conv_bias = to_f32(static_cast<const WT*>(q.conv_bias)[d]);
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const int64_t row = first + (int64_t)r * per_block;
-        const int64_t b = row / p.dim, d = row - b * p.dim;
+    for (int64_t b = blockIdx.y; b < p.batch; b += gridDim.y) {
+        const int64_t row = b * p.dim + d;
+        const int64_t slot = slot_of(p.state_batch_indices, b);
+        if (slot < 0 || slot >= p.n_slots) {  // padding: output 0, no state touched
+            if (lane == 0) static_cast<T*>(p.out)[row] = from_f32<T>(0.f);
+            continue;
+        }
+        const int64_t slot_row = slot * p.dim + d;
+        const int64_t bc = (b * p.groups + group) * p.dstate + n;
+        S* state = static_cast<S*>(p.state) + slot_row * p.dstate + n;
+        float h[kN], bv[kN], cv[kN];
+        load_n<kN, true>(state, kN, true, h);
+        load_n<kN, false>(static_cast<const W*>(p.B) + bc, kN, true, bv);
+        load_n<kN, false>(static_cast<const W*>(p.C) + bc, kN, true, cv);
+        float x = to_f32(static_cast<const T*>(p.x)[row]);
+        const float dt = to_f32(static_cast<const T*>(p.dt)[row]) + dt_bias;
+        const float z = p.z && lane == 0 ? to_f32(static_cast<const T*>(p.z)[row]) : 0.f;
+        T* conv_state = kFused ? static_cast<T*>(q.conv_state) + slot_row * (w - 1) : nullptr;
+        const float old_tap = kFused && lane < w - 1 ? to_f32(conv_state[lane]) : 0.f;
         if (kFused) {
-            float xc = 0.f;
-            if (ok[r] && lane == 0) {
-                const int w = (int)q.width;
-                float acc = fmaf(cw[r][3], x[r], cb[r]);
-#pragma unroll
-                for (int k = 0; k < 3; ++k) acc = fmaf(cw[r][k], win[r][k], acc);
-                T* cs = static_cast<T*>(q.conv_state) + (slot[r] * p.dim + d) * (w - 1);
-#pragma unroll
-                for (int k = 0; k < 3; ++k)
-                    if (k < w - 1) cs[k] = from_f32<T>(k + 1 < w - 1 ? win[r][k + 1] : x[r]);
-                xc = silu(acc);
-            }
-            x[r] = __shfl_sync(0xffffffffu, xc, (threadIdx.x & 31) & ~(lanes - 1));
+            // Tap w - 1 is the new input. The sum's shuffles order every lane's load of the conv
+            // state before any lane's store; the state keeps taps 1..w-1.
+            const float tap = lane == w - 1 ? x : old_tap;
+            const float conv = row_sum(fmaf(tap_weight, tap, conv_bias), lanes, mask);
+            if (lane >= 1 && lane < w) conv_state[lane - 1] = from_f32<T>(tap);
+            x = silu_fast(conv);
         }
+        const float dtv = p.dt_softplus ? softplus_decode(dt) : dt;
+        const float dt2 = dtv * kLog2e, dtx = dtv * x;
         float y = 0.f;
-        if (ok[r]) {
-            const float dtv = p.dt_softplus ? softplus(dt[r]) : dt[r];
-            const float dt2 = dtv * kLog2e, dtx = dtv * x[r];
 #pragma unroll
-            for (int k = 0; k < kN; ++k) {
-                h[r][k] = to_f32(from_f32<S>(fmaf(ex2_ftz(dt2 * a[r][k]), h[r][k], dtx * bv[r][k])));
-                y = fmaf(cv[r][k], h[r][k], y);
-            }
-            const int64_t n = (int64_t)lane * kN;
-            store_n<kN>(static_cast<S*>(p.state) + (slot[r] * p.dim + d) * p.dstate + n, kN, true, h[r]);
+        for (int k = 0; k < kN; ++k) {
+            // The output reads the state as stored (see update_states).
+            h[k] = to_f32(from_f32<S>(fmaf(ex2_ftz(dt2 * a[k]), h[k], dtx * bv[k])));
+            y = fmaf(cv[k], h[k], y);
         }
-        y = row_sum(y, lanes);
-        if (row < total && lane == 0) {
-            if (!ok[r]) {
-                y = 0.f;
-            } else {
-                if (p.D) y = fmaf(p.D[d], x[r], y);
-                if (p.z) y *= silu(zv[r]);
-            }
+        store_n<kN>(state, kN, true, h);
+        y = row_sum(y, lanes, mask);
+        if (lane == 0) {
+            if (p.D) y = fmaf(skip_coef, x, y);
+            if (p.z) y *= silu_fast(z);
             static_cast<T*>(p.out)[row] = from_f32<T>(y);
         }
     }
@@ -190,18 +178,19 @@ __device__ __forceinline__ void rows_fast(const DecodeParams q) {
         const StateUpdateParams p) {                                                                   \
         state_update<T, W, S>(p);                                                                      \
     }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(kFastBlock) selective_state_update_##T##_##W##_##S##_r1(    \
+    extern "C" __global__ void __launch_bounds__(kFastBlock, kFastMinBlocks<S>)                        \
+        selective_state_update_##T##_##W##_##S##_fast(                                                 \
         const StateUpdateParams p) {                                                                   \
-        rows_fast<T, W, S, T, false, 1>(DecodeParams{p, nullptr, nullptr, nullptr, 0});               \
+        rows_fast<T, W, S, T, false>(DecodeParams{p, nullptr, nullptr, nullptr, 0});                  \
     }
 #define DECODE(T, W, S, WT)                                                                            \
     extern "C" __global__ void __launch_bounds__(1024) mamba_decode_step_##T##_##W##_##S##_##WT(       \
         const DecodeParams q) {                                                                        \
         decode_step<T, W, S, WT>(q);                                                                   \
     }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(kFastBlock) mamba_decode_step_##T##_##W##_##S##_##WT##_r1(  \
+    extern "C" __global__ void __launch_bounds__(kFastBlock) mamba_decode_step_##T##_##W##_##S##_##WT##_fast( \
         const DecodeParams q) {                                                                        \
-        rows_fast<T, W, S, WT, true, 1>(q);                                                            \
+        rows_fast<T, W, S, WT, true>(q);                                                               \
     }
 // Every (x, B/C, state[, conv weight]) combination the validation admits: each of the last three is
 // f32 or the dtype of x.

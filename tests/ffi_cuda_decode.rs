@@ -240,6 +240,28 @@ fn state_update_pool_indices_and_out_of_range_skipped() {
     );
 }
 
+/// The fast kernels' grid holds at most 65535 batch rows, and each block loops over the rest: a
+/// batch past that (from a pool, with padding rows), state update and fused step.
+#[test]
+fn batch_past_the_grid() {
+    if !gpu() {
+        return;
+    }
+    let s = Stream::new();
+    let k = SsuCase { pool: Some(65549), seed: 99, ..SsuCase::new(65540, 32, 16, 1) };
+    let i = ssu_inputs(&k);
+    run_ok(
+        "state update (batch past the grid)",
+        h::xla_ssm_selective_state_update_cuda,
+        &ssu_call(&k, &i, true),
+        &ssu_wants(&k, &i),
+        &k,
+        &s,
+    );
+    let (call, wants) = decode_call(&k, 4, Dt::F32, true, true);
+    run_ok("mamba_decode_step (batch past the grid)", h::xla_ssm_mamba_decode_step_cuda, &call, &wants, &k, &s);
+}
+
 #[test]
 fn zero_sizes() {
     if !gpu() {

@@ -154,7 +154,7 @@ pub fn run(step: &Decode, platform: Platform) -> Result<()> {
             if ssm.batch * ssm.dim == 0 {
                 return Ok(());
             }
-            let (config, form) = state_update::cuda::geometry(&mut ssm, u.state_dtype);
+            let (config, form) = state_update::cuda::geometry(&mut ssm, u.state_dtype, Some(c.params.width));
             let params = DecodeParams {
                 ssm,
                 conv_state: c.params.conv_state,
