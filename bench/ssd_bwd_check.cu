@@ -198,8 +198,8 @@ int main(int argc, char** argv) {
     a.q.ddt_bias = has_bias ? dbias_d : nullptr;
     a.q.dinitial_states = dh0_d;
     const int64_t tpc = chunk / 64;
-    CK(cudaMalloc(&a.db_part, B * L * H * N * 4 + 4));
-    CK(cudaMalloc(&a.dc_part, B * L * H * N * 4 + 4));
+    CK(cudaMalloc(&a.db_part, B * L * H * N * 2 + 4));
+    CK(cudaMalloc(&a.dc_part, B * L * H * N * 2 + 4));
     CK(cudaMalloc(&a.scratch, B * H * std::max<int64_t>(tpc - 1, 0) * P * N * 4 + 4));
     CK(cudaMalloc(&a.da_part, B * H * 4));
     CK(cudaMalloc(&a.dbias_part, B * H * 4));
@@ -212,7 +212,7 @@ int main(int argc, char** argv) {
         CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         if (B * H > 0) k<<<unsigned(B * H), ssd_mma::kThreads, smem>>>(a);
         if (!reductions) return;
-        const int64_t total = B * L * G * N;
+        const int64_t total = B * L * G * N / 8;
         if (total > 0) (g_bf16 ? ssd_bwd_reduce_bc_bf16 : ssd_bwd_reduce_bc_f16)<<<unsigned(std::min<int64_t>((total + 255) / 256, 4096)), 256>>>(a);
         ssd_bwd_reduce_params<<<unsigned((H * 64 + 127) / 128), 128>>>(a);
         CK(cudaGetLastError());
