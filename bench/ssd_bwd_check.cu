@@ -200,17 +200,28 @@ int main(int argc, char** argv) {
     const int64_t tpc = chunk / 64;
     CK(cudaMalloc(&a.db_part, B * L * H * N * 2 + 4));
     CK(cudaMalloc(&a.dc_part, B * L * H * N * 2 + 4));
-    CK(cudaMalloc(&a.scratch, B * H * std::max<int64_t>(tpc - 1, 0) * P * N * 4 + 4));
-    CK(cudaMalloc(&a.da_part, B * H * 4));
-    CK(cudaMalloc(&a.dbias_part, B * H * 4));
-    CK(cudaMalloc(&a.dd_part, B * H * P * 4));
+    // The launcher's split (mirrored in src/ops/ssd/plan.rs): parts of whole chunks, as many as one wave holds.
+    int64_t parts = std::max<int64_t>(1, std::min<int64_t>(264 / std::max<int64_t>(B * H, 1), NC));
+    if (getenv("SSD_BWD_PARTS")) parts = atoll(getenv("SSD_BWD_PARTS"));
+    a.chunks_per_part = std::max<int64_t>(1, (NC + parts - 1) / parts);
+    a.n_parts = std::max<int64_t>(1, (NC + a.chunks_per_part - 1) / a.chunks_per_part);
+    printf("parts %lld of %lld chunks\n", (long long)a.n_parts, (long long)a.chunks_per_part);
+    CK(cudaMalloc(&a.da_part, a.n_parts * B * H * 4 + 4));
+    CK(cudaMalloc(&a.dbias_part, a.n_parts * B * H * 4 + 4));
+    CK(cudaMalloc(&a.dd_part, a.n_parts * B * H * P * 4 + 4));
+    CK(cudaMalloc(&a.scratch, a.n_parts * B * H * std::max<int64_t>(tpc - 1, 0) * P * N * 4 + 4));
+    CK(cudaMalloc(&a.records, (a.n_parts - 1) * B * H * (P * N + 1) * 4 + 4));
 
     auto launch = [&](bool reductions = true) {
         const int smem = int(N == 64 ? sizeof(ssd_mma::BwdSmem<bf16, 64>) : sizeof(ssd_mma::BwdSmem<bf16, 128>));
         auto k = g_bf16 ? (N == 64 ? ssd_bwd_mma_bf16_n64 : ssd_bwd_mma_bf16_n128)
                         : (N == 64 ? ssd_bwd_mma_f16_n64 : ssd_bwd_mma_f16_n128);
+        auto kl = g_bf16 ? (N == 64 ? ssd_bwd_mma_local_bf16_n64 : ssd_bwd_mma_local_bf16_n128)
+                         : (N == 64 ? ssd_bwd_mma_local_f16_n64 : ssd_bwd_mma_local_f16_n128);
         CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        if (B * H > 0) k<<<unsigned(B * H), ssd_mma::kThreads, smem>>>(a);
+        CK(cudaFuncSetAttribute(kl, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        if (B * H > 0 && a.n_parts > 1) kl<<<dim3(unsigned(B * H), unsigned(a.n_parts - 1)), ssd_mma::kThreads, smem>>>(a);
+        if (B * H > 0) k<<<dim3(unsigned(B * H), unsigned(a.n_parts)), ssd_mma::kThreads, smem>>>(a);
         if (!reductions) return;
         const int64_t total = B * L * G * N / 8;
         if (total > 0) (g_bf16 ? ssd_bwd_reduce_bc_bf16 : ssd_bwd_reduce_bc_f16)<<<unsigned(std::min<int64_t>((total + 255) / 256, 4096)), 256>>>(a);

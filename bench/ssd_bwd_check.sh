@@ -15,6 +15,8 @@ if [ "$mode" != time ]; then
   run check 1 333 3 1 64 bf16 256 1 1 1 0 1 1
   run check 2 300 4 4 128 bf16 64 2 0 1 1 0 0
   run check 1 5 2 1 64 f16 64 1 1 1 1 1 0
+  SSD_BWD_PARTS=3 run check 1 700 2 1 128 bf16 128 2 1 1 1 1 1
+  SSD_BWD_PARTS=2 run check 2 200 2 2 64 f16 64 1 1 1 1 1 0
 fi
 if [ "$mode" != check ]; then
   run time 8 2048 64 1 128 bf16 256 1 1 1 0 0 0

@@ -25,10 +25,15 @@ struct SsdBwdMmaParams {
     // partials were a fifth of the backward's time), with f32's range; summed in f32.
     bf16* db_part;
     bf16* dc_part;
-    float* scratch;     // (batch * heads, tiles per chunk - 1, kP * dstate): recomputed tile states
-    float* da_part;     // (batch, heads)
-    float* dbias_part;  // (batch, heads)
-    float* dd_part;     // (batch, heads, kP)
+    float* scratch;     // (n_parts, batch * heads, tiles per chunk - 1, kP * dstate): recomputed states
+    float* da_part;     // (n_parts, batch, heads)
+    float* dbias_part;  // (n_parts, batch, heads)
+    float* dd_part;     // (n_parts, batch, heads, kP)
+    // Sequence split (few batch x heads): parts of chunks_per_part chunks; parts 1..n_parts-1 record
+    // the gradient entering them from their own steps and their total decay (log2):
+    // [n_parts - 1][batch * heads][kP * dstate], then [n_parts - 1][batch * heads].
+    float* records;
+    int64_t chunks_per_part, n_parts;
 };
 
 template <typename T, int N> struct BwdSmem {
@@ -76,7 +81,7 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-template <typename T, int N> __device__ __forceinline__ void ssd_bwd_mma(const SsdBwdMmaParams& a) {
+template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd_mma(const SsdBwdMmaParams& a) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     BwdSmem<T, N>& sm = *reinterpret_cast<BwdSmem<T, N>*>(smem_raw);
     using O = Ops<T>;
@@ -88,6 +93,10 @@ template <typename T, int N> __device__ __forceinline__ void ssd_bwd_mma(const S
     const float A = p.A[h], a_log2 = A * kLog2e;
     const int64_t state_elems = int64_t(kP) * N;
     const int64_t n_chunks = ssd_chunk_count(p), tiles_per_chunk = p.chunk_size / kQ;
+    const int64_t part = LOCAL ? blockIdx.y + 1 : blockIdx.y, bhs = p.batch * p.heads;
+    const int64_t chunk_begin = part * a.chunks_per_part, chunk_end = min(chunk_begin + a.chunks_per_part, n_chunks);
+    float* records = a.records;
+    float* record_decay = records + (a.n_parts - 1) * bhs * state_elems;
 
     // Per-lane ldmatrix offsets (elements), as in the forward.
     const int a_rows = lane & 15, a_cols = (lane >> 4) * 8;
@@ -101,7 +110,7 @@ template <typename T, int N> __device__ __forceinline__ void ssd_bwd_mma(const S
     // Tile loads: x (and dy) rows of kP, B (and C) rows of N elements; zero past the end.
     const TileCopy<kP> xcopy;
     const TileCopy<N> bccopy;
-    auto load_tile = [&](int64_t t0, bool with_grads) {
+    auto load_tile = [&](int64_t t0, bool states, bool grads) {
         const T* x = static_cast<const T*>(p.x);
         const T* dy = static_cast<const T*>(a.q.dy);
 #pragma unroll
@@ -109,8 +118,8 @@ template <typename T, int N> __device__ __forceinline__ void ssd_bwd_mma(const S
             const int row = xcopy.row0 + k * TileCopy<kP>::kRowStep;
             const bool valid = t0 + row < p.seqlen;
             const int64_t off = valid ? ((b * p.seqlen + t0 + row) * p.heads + h) * kP + xcopy.col : 0;
-            cp_async16(&sm.x[row * PX + xcopy.col], x + off, valid);
-            if (with_grads) cp_async16(&sm.dy[row * PX + xcopy.col], dy + off, valid);
+            if (states) cp_async16(&sm.x[row * PX + xcopy.col], x + off, valid);
+            if (grads) cp_async16(&sm.dy[row * PX + xcopy.col], dy + off, valid);
         }
         const T* Bm = static_cast<const T*>(p.B);
         const T* Cm = static_cast<const T*>(p.C);
@@ -119,8 +128,8 @@ template <typename T, int N> __device__ __forceinline__ void ssd_bwd_mma(const S
             const int row = bccopy.row0 + k * TileCopy<N>::kRowStep;
             const bool valid = t0 + row < p.seqlen;
             const int64_t off = valid ? ((b * p.seqlen + t0 + row) * p.groups + g) * N + bccopy.col : 0;
-            cp_async16(&sm.b[row * PN + bccopy.col], Bm + off, valid);
-            if (with_grads) cp_async16(&sm.c[row * PN + bccopy.col], Cm + off, valid);
+            if (states) cp_async16(&sm.b[row * PN + bccopy.col], Bm + off, valid);
+            if (grads) cp_async16(&sm.c[row * PN + bccopy.col], Cm + off, valid);
         }
         cp_async_commit();
         if (warp == 0) {
@@ -141,16 +150,66 @@ template <typename T, int N> __device__ __forceinline__ void ssd_bwd_mma(const S
     };
     // Scratch slot of the state entering tile j (>= 1) of a chunk: each thread's accumulators as float4s.
     auto scratch_slot = [&](int64_t j) {
-        return reinterpret_cast<float4*>(a.scratch + (bh * (tiles_per_chunk - 1) + (j - 1)) * state_elems) + tid;
+        return reinterpret_cast<float4*>(a.scratch + ((part * bhs + bh) * (tiles_per_chunk - 1) + (j - 1)) * state_elems) + tid;
     };
 
-    float ds[N / 8][4];  // dS: gradient of the state leaving the current tile
+    // dS: the gradient of the state leaving the current tile. A part starts from dfinal_states folded
+    // back through the records of the parts after it (LOCAL: from zero).
+    float ds[N / 8][4];
     for_state_pairs<N>(ds, [&](float* acc, int row, int col) {
         float2 v = make_float2(0.f, 0.f);
-        if (a.q.dfinal_states) v = *reinterpret_cast<const float2*>(a.q.dfinal_states + bh * state_elems + row * N + col);
+        if (!LOCAL && a.q.dfinal_states)
+            v = *reinterpret_cast<const float2*>(a.q.dfinal_states + bh * state_elems + row * N + col);
         acc[0] = v.x;
         acc[1] = v.y;
     });
+    for (int64_t r = LOCAL ? part : a.n_parts - 1; r > part; --r) {
+        const float decay = exp2f(record_decay[(r - 1) * bhs + bh]);
+        const float* rec = records + ((r - 1) * bhs + bh) * state_elems;
+        for_state_pairs<N>(ds, [&](float* acc, int row, int col) {
+            const float2 v = *reinterpret_cast<const float2*>(rec + row * N + col);
+            acc[0] = fmaf(decay, acc[0], v.x);
+            acc[1] = fmaf(decay, acc[1], v.y);
+        });
+    }
+    // dS <- 2^cum_last dS + (2^cum o dy)^T C, rows p = 16 warp.. (the tile's dy, C and scalars loaded).
+    auto update_ds = [&]() {
+        const float decay = ex2_ftz(sm.sc.cd[kQ / 2 - 1].z);
+#pragma unroll
+        for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ds[n][e] *= decay;
+#pragma unroll
+        for (int kk = 0; kk < kQ / 16; ++kk) {
+            uint32_t af[4];
+            ldsm_x4_trans(af, dys + ((16 * kk + at_rows) * PX + 16 * warp + at_cols) * E);
+            const int k0 = 16 * kk + 2 * (lane % 4);
+            scale_a_cols<T>(af, make_float2(sm.sc.ecum[k0], sm.sc.ecum[k0 + 1]),
+                            make_float2(sm.sc.ecum[k0 + 8], sm.sc.ecum[k0 + 9]));
+#pragma unroll
+            for (int q = 0; q < N / 16; ++q) {
+                uint32_t bb[4];
+                ldsm_x4_trans(bb, cs + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
+                O::mma(ds[2 * q], af, bb[0], bb[1]);
+                O::mma(ds[2 * q + 1], af, bb[2], bb[3]);
+            }
+        }
+    };
+    if (LOCAL) {
+        float decay_sum = 0.f;
+        for (int64_t t0 = (min(chunk_end * p.chunk_size, p.seqlen) - 1) / kQ * kQ; t0 >= chunk_begin * p.chunk_size; t0 -= kQ) {
+            load_tile(t0, false, true);
+            decay_sum += sm.sc.cd[kQ / 2 - 1].z;
+            update_ds();
+            __syncthreads();
+        }
+        float* rec = records + ((part - 1) * bhs + bh) * state_elems;
+        for_state_pairs<N>(ds, [&](float* acc, int row, int col) {
+            *reinterpret_cast<float2*>(rec + row * N + col) = make_float2(acc[0], acc[1]);
+        });
+        if (tid == 0) record_decay[(part - 1) * bhs + bh] = decay_sum;
+        return;
+    }
     float dd_acc[kP / 8][2] = {};  // sum of dy x over this thread's (rows, columns 8j + 2(lane%4) (+1))
     float dskip[kP / 8][2];        // D of those columns
 #pragma unroll
@@ -162,7 +221,7 @@ template <typename T, int N> __device__ __forceinline__ void ssd_bwd_mma(const S
         }
     float da_acc = 0.f, dbias_acc = 0.f;  // warp 0
 
-    for (int64_t chunk = n_chunks - 1; chunk >= 0; --chunk) {
+    for (int64_t chunk = chunk_end - 1; chunk >= chunk_begin; --chunk) {
         const int64_t c0 = chunk * p.chunk_size;
         const int64_t tiles = min(tiles_per_chunk, (p.seqlen - c0 + kQ - 1) / kQ);
         // Recompute the states entering tiles 1..tiles-1 of the chunk.
@@ -174,7 +233,7 @@ template <typename T, int N> __device__ __forceinline__ void ssd_bwd_mma(const S
                 acc[1] = v.y;
             });
             for (int64_t j = 0; j + 1 < tiles; ++j) {
-                load_tile(c0 + j * kQ, false);
+                load_tile(c0 + j * kQ, true, false);
                 const float decay = ex2_ftz(sm.sc.cd[kQ / 2 - 1].z);
 #pragma unroll
                 for (int n = 0; n < N / 8; ++n)
@@ -235,7 +294,7 @@ template <typename T, int N> __device__ __forceinline__ void ssd_bwd_mma(const S
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) sds += __shfl_xor_sync(0xffffffffu, sds, o);
             if (lane == 0) sm.sds[warp] = sds;
-            load_tile(t0, true);  // ends with __syncthreads: the writes above are visible too
+            load_tile(t0, true, true);  // ends with __syncthreads: the writes above are visible too
 
             const float cum_last = sm.sc.cd[kQ / 2 - 1].z;
             const float cum_lo = cum_of(r_lo), cum_hi = cum_of(r_hi);
@@ -491,29 +550,7 @@ template <typename T, int N> __device__ __forceinline__ void ssd_bwd_mma(const S
                 }
             }
 
-            // ---- dS <- 2^cum_last dS + (2^cum o dy)^T C, rows p = 16 warp.. .
-            {
-                const float decay = ex2_ftz(cum_last);
-#pragma unroll
-                for (int n = 0; n < N / 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) ds[n][e] *= decay;
-#pragma unroll
-                for (int kk = 0; kk < kQ / 16; ++kk) {
-                    uint32_t af[4];
-                    ldsm_x4_trans(af, dys + ((16 * kk + at_rows) * PX + 16 * warp + at_cols) * E);
-                    const int k0 = 16 * kk + 2 * (lane % 4);
-                    scale_a_cols<T>(af, make_float2(sm.sc.ecum[k0], sm.sc.ecum[k0 + 1]),
-                                    make_float2(sm.sc.ecum[k0 + 8], sm.sc.ecum[k0 + 9]));
-#pragma unroll
-                    for (int q = 0; q < N / 16; ++q) {
-                        uint32_t bb[4];
-                        ldsm_x4_trans(bb, cs + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
-                        O::mma(ds[2 * q], af, bb[0], bb[1]);
-                        O::mma(ds[2 * q + 1], af, bb[2], bb[3]);
-                    }
-                }
-            }
+            update_ds();
             __syncthreads();
 
             // ---- Warp 0: the gradient of cum, then ddt and dA. Lane l owns steps 2l and 2l + 1.
@@ -576,8 +613,8 @@ template <typename T, int N> __device__ __forceinline__ void ssd_bwd_mma(const S
         }
     }
 
-    // dinitial_states, and the per-(batch, head) partials.
-    if (a.q.dinitial_states) {
+    // dinitial_states, and the per-(part, batch, head) partials.
+    if (part == 0 && a.q.dinitial_states) {
         for_state_pairs<N>(ds, [&](float* acc, int row, int col) {
             *reinterpret_cast<float2*>(a.q.dinitial_states + bh * state_elems + row * N + col) = make_float2(acc[0], acc[1]);
         });
@@ -605,7 +642,7 @@ template <typename T, int N> __device__ __forceinline__ void ssd_bwd_mma(const S
         }
         __syncthreads();
     }
-    if (tid < kP) a.dd_part[bh * kP + tid] = dd_cols[tid];
+    if (tid < kP) a.dd_part[(part * bhs + bh) * kP + tid] = dd_cols[tid];
     if (warp == 0) {  // each lane of warp 0 summed its own steps
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
@@ -613,8 +650,8 @@ template <typename T, int N> __device__ __forceinline__ void ssd_bwd_mma(const S
             dbias_acc += __shfl_xor_sync(0xffffffffu, dbias_acc, o);
         }
         if (lane == 0) {
-            a.da_part[bh] = da_acc;
-            a.dbias_part[bh] = dbias_acc;
+            a.da_part[part * bhs + bh] = da_acc;
+            a.dbias_part[part * bhs + bh] = dbias_acc;
         }
     }
 }
@@ -659,22 +696,23 @@ __device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
     const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;  // (head, p)
     if (i >= p.heads * kP) return;
     const int64_t h = i / kP, col = i % kP;
+    const int64_t rows = a.n_parts * p.batch;  // (part, batch) pairs
     if (a.q.dD && (p.D_per_channel || col == 0)) {
         float s = 0.f;
-        for (int64_t b = 0; b < p.batch; ++b) {
+        for (int64_t r = 0; r < rows; ++r) {
             if (p.D_per_channel) {
-                s += a.dd_part[(b * p.heads + h) * kP + col];
+                s += a.dd_part[(r * p.heads + h) * kP + col];
             } else {
-                for (int c = 0; c < kP; ++c) s += a.dd_part[(b * p.heads + h) * kP + c];
+                for (int c = 0; c < kP; ++c) s += a.dd_part[(r * p.heads + h) * kP + c];
             }
         }
         a.q.dD[p.D_per_channel ? i : h] = s;
     }
     if (col == 0) {
         float da = 0.f, dbias = 0.f;
-        for (int64_t b = 0; b < p.batch; ++b) {
-            da += a.da_part[b * p.heads + h];
-            dbias += a.dbias_part[b * p.heads + h];
+        for (int64_t r = 0; r < rows; ++r) {
+            da += a.da_part[r * p.heads + h];
+            dbias += a.dbias_part[r * p.heads + h];
         }
         a.q.dA[h] = da;
         if (a.q.ddt_bias) a.q.ddt_bias[h] = dbias;
@@ -683,13 +721,17 @@ __device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
 
 }  // namespace ssd_mma
 
-// extern "C" entry points: ssd_bwd_mma_<T>_n<N> (grid batch * heads, kThreads threads,
-// sizeof(BwdSmem<T, N>) bytes of dynamic shared memory), ssd_bwd_reduce_bc_<T> (grid-stride),
-// ssd_bwd_reduce_params (one thread per (head, p)).
+// extern "C" entry points: ssd_bwd_mma[_local]_<T>_n<N> (grid (batch * heads, n_parts [- 1]),
+// kThreads threads, sizeof(BwdSmem<T, N>) bytes of dynamic shared memory), ssd_bwd_reduce_bc_<T>
+// (grid-stride over (batch, seqlen, groups, dstate / 8)), ssd_bwd_reduce_params (a thread per (head, p)).
 #define SSD_BWD_MMA(T, N)                                                                          \
     extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                             \
         ssd_bwd_mma_##T##_n##N(const ssd_mma::SsdBwdMmaParams a) {                                 \
-        ssd_mma::ssd_bwd_mma<T, N>(a);                                                             \
+        ssd_mma::ssd_bwd_mma<T, N, false>(a);                                                      \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                             \
+        ssd_bwd_mma_local_##T##_n##N(const ssd_mma::SsdBwdMmaParams a) {                           \
+        ssd_mma::ssd_bwd_mma<T, N, true>(a);                                                       \
     }
 SSD_BWD_MMA(bf16, 64)
 SSD_BWD_MMA(bf16, 128)
