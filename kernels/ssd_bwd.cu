@@ -51,6 +51,10 @@ template <typename T, int N> struct BwdSmem {
     float sds[kWarps];       // <dS, S> partials
 };
 
+// The launcher sizes shared memory by this formula (src/ops/ssd/cuda_mma.rs).
+static_assert(sizeof(BwdSmem<bf16, 128>) == 21264 + 512 * (128 + 8) && sizeof(BwdSmem<f16, 64>) == 21264 + 512 * (64 + 8),
+              "mirror of bwd_shared_bytes");
+
 // A fragments (m16 x k16) from a row block of f32 accumulators over two n-tiles.
 template <typename T> __device__ __forceinline__ void to_a_frag(uint32_t a[4], const float* lo, const float* hi) {
     a[0] = pack_u32<T>(lo[0], lo[1]);

@@ -25,6 +25,9 @@ template <typename T, int N> struct Smem {
     T s[kP * pitch<N>()];  // the state entering the tile, rounded to T (the y products' operand)
     TileScalars sc[2];     // of the tile in x/b/c[buf]
 };
+// The launcher sizes shared memory by this formula (src/ops/ssd/cuda_mma.rs).
+static_assert(sizeof(Smem<bf16, 128>) == 20480 + 640 * (128 + 8) && sizeof(Smem<f16, 64>) == 20480 + 640 * (64 + 8),
+              "mirror of fwd_shared_bytes");
 
 template <typename T, int N, bool LOCAL>
 __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_per_part, int n_parts) {
