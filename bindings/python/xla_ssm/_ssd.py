@@ -358,7 +358,8 @@ def ssd_ref(
         dt_t, x_t, b_t, c_t = xs  # (batch, heads), (batch, heads, headdim), (batch, heads, dstate) x2
         decay = jnp.exp(dt_t * A)[..., None, None]
         s = decay * s + (dt_t[..., None] * x_t)[..., None] * b_t[:, :, None, :]
-        return s, jnp.einsum("bhpn,bhn->bhp", s, c_t)
+        # Elementwise, not a dot: GPUs would run an f32 dot in TF32.
+        return s, jnp.sum(s * c_t[:, :, None, :], axis=-1)
 
     xs = tuple(jnp.moveaxis(v, 1, 0) for v in (dt, x, Bh, Ch))
     s, ys = jax.lax.scan(step, s0, xs, length=seqlen)
