@@ -14,7 +14,7 @@ struct SsdGlueParams {
     float* dt_bias;           // (heads * headdim): dt_bias[h] per channel, or null (not passed to the scan)
     const void* ddelta;       // backward: (batch, seqlen, heads * headdim) T, the scan's gradient of delta
     const float* dA;          // backward: (heads * headdim, dstate), the scan's gradient of its A
-    const float* dD;          // backward: (heads * headdim), or null (D absent, or per channel)
+    const float* dD;          // backward: (heads * headdim) when D is per head
     const float* ddelta_bias; // backward: (heads * headdim), when the scan had the bias (not transformed)
     float* ddt_f32;           // backward: (batch, seqlen, heads) ddt before rounding, for ddt_bias when
                               // transformed; or null
@@ -113,7 +113,8 @@ __device__ __forceinline__ void reduce_heads(const SsdGlueParams g) {
     const float* dA = g.dA + h * hd * p.dstate;
     const float da = block_sum(hd * p.dstate, [&](int64_t i) { return dA[i]; }, shared);
     if (threadIdx.x == 0) g.q.dA[h] = da;
-    if (g.dD) {
+    // Per-head D: its gradient sums its channels' (none when headdim is 0: the scratch may be null).
+    if (g.q.dD && !p.D_per_channel) {
         const float dd = block_sum(hd, [&](int64_t i) { return g.dD[h * hd + i]; }, shared);
         if (threadIdx.x == 0) g.q.dD[h] = dd;
     }

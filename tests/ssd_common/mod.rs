@@ -820,6 +820,9 @@ pub fn grad_tol(case: &SsdCase, name: &str) -> Tol {
     match (case.dtype, name) {
         (Dt::F32, _) if !case.transformed() => Tol { rel_l2: 1e-4, rel_max: 2e-4 },
         (Dt::F32, _) => Tol { rel_l2: 2e-4, rel_max: 5e-4 },
+        // Transformed: ddt_bias sums over batch and steps the row sums of values rounded to the
+        // dtype, of both signs (measured up to 1.3e-2 rel L2 in bf16 on the GPU).
+        (t, "ddt_bias") if case.transformed() => Tol { rel_l2: 4.0 * t.tol().rel_l2, rel_max: 4.0 * t.tol().rel_max },
         (t, "ddt") | (t, "ddt_bias") => Tol { rel_l2: 2.0 * t.tol().rel_l2, rel_max: 2.0 * t.tol().rel_max },
         (t, _) => t.tol(),
     }
