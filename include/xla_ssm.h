@@ -171,6 +171,103 @@ typedef struct XlaSsmDecodeStepArgs {
   const void *conv_bias;
 } XlaSsmDecodeStepArgs;
 
+// Arguments of the SSD forward (docs/ssd.md). Dense row-major arrays; optional pointers may be NULL.
+typedef struct XlaSsmSsdFwdArgs {
+  int64_t batch;
+  int64_t seqlen;
+  int64_t heads;
+  int64_t headdim;
+  // 1..=256.
+  int64_t dstate;
+  // Groups of B and C (must divide heads; head h reads group h / (heads / groups)).
+  int64_t groups;
+  // 32, 64, 128 or 256: the spacing of `chunk_states`.
+  int64_t chunk_size;
+  // dtype of x, dt, B, C, z and y.
+  XlaSsmDtype dtype;
+  // D is (heads, headdim) rather than (heads).
+  bool d_per_channel;
+  bool dt_softplus;
+  // dt (after bias and softplus) is clamped to [dt_min, dt_max]; -INFINITY / INFINITY: no clamp.
+  float dt_min;
+  float dt_max;
+  // (batch, seqlen, heads, headdim).
+  const void *x;
+  // (batch, seqlen, heads).
+  const void *dt;
+  // (heads) f32.
+  const float *a;
+  // (batch, seqlen, groups, dstate).
+  const void *b;
+  const void *c;
+  // (heads) or (heads, headdim) f32, optional.
+  const float *d;
+  // like x, optional.
+  const void *z;
+  // (heads) f32, optional.
+  const float *dt_bias;
+  // (batch, heads, headdim, dstate) f32, optional.
+  const float *initial_states;
+  // like x.
+  void *y;
+  // (batch, heads, headdim, dstate) f32.
+  float *final_states;
+  // (batch, heads, headdim, ceil(seqlen / chunk_size), dstate) f32, optional: the state entering
+  // each chunk, which the backward needs.
+  float *chunk_states;
+  // Device scratch of at least [`xla_ssm_ssd_fwd_workspace_bytes`] bytes: required by the CUDA
+  // forward, unused on the host.
+  void *workspace;
+  int64_t workspace_bytes;
+} XlaSsmSsdFwdArgs;
+
+// Arguments of the SSD backward (docs/ssd.md): the forward's inputs and chunk_states, the
+// cotangents and the gradients. Each gradient has its primal's shape (dx, ddt, dB, dC, dz of
+// `dtype`; dA, dD, ddt_bias, dinitial_states f32), and an optional one is given exactly when its
+// primal is.
+typedef struct XlaSsmSsdBwdArgs {
+  int64_t batch;
+  int64_t seqlen;
+  int64_t heads;
+  int64_t headdim;
+  int64_t dstate;
+  int64_t groups;
+  int64_t chunk_size;
+  XlaSsmDtype dtype;
+  bool d_per_channel;
+  bool dt_softplus;
+  float dt_min;
+  float dt_max;
+  const void *x;
+  const void *dt;
+  const float *a;
+  const void *b;
+  const void *c;
+  const float *d;
+  const void *z;
+  const float *dt_bias;
+  const float *initial_states;
+  // The forward's chunk_states, made with the same chunk_size.
+  const float *chunk_states;
+  // Cotangent of y (like x).
+  const void *dy;
+  // Cotangent of final_states, optional.
+  const float *dfinal_states;
+  void *dx;
+  void *ddt;
+  float *da;
+  void *db;
+  void *dc;
+  float *dd;
+  void *dz;
+  float *ddt_bias;
+  float *dinitial_states;
+  // Device scratch of at least [`xla_ssm_ssd_bwd_workspace_bytes`] bytes: required by the CUDA
+  // backward, unused on the host.
+  void *workspace;
+  int64_t workspace_bytes;
+} XlaSsmSsdBwdArgs;
+
 #define XLA_SSM_OK 0
 
 #define XLA_SSM_INVALID_ARGUMENT 1
@@ -279,6 +376,54 @@ XlaSsmStatus xla_ssm_mamba_decode_step_host(const struct XlaSsmDecodeStepArgs *a
 XlaSsmStatus xla_ssm_mamba_decode_step_cuda_launch(const struct XlaSsmDecodeStepArgs *args,
                                                    void *stream);
 
+// Bytes of device workspace the CUDA SSD forward needs for this shape and dtype (0 for a shape or
+// dtype the call would refuse). Depends on these values only.
+int64_t xla_ssm_ssd_fwd_workspace_bytes(int64_t batch,
+                                        int64_t seqlen,
+                                        int64_t heads,
+                                        int64_t headdim,
+                                        int64_t dstate,
+                                        int64_t groups,
+                                        int64_t chunk_size,
+                                        XlaSsmDtype dtype);
+
+// Bytes of device workspace the CUDA SSD backward needs for this shape and dtype (0 for a shape or
+// dtype the call would refuse). Depends on these values only.
+int64_t xla_ssm_ssd_bwd_workspace_bytes(int64_t batch,
+                                        int64_t seqlen,
+                                        int64_t heads,
+                                        int64_t headdim,
+                                        int64_t dstate,
+                                        int64_t groups,
+                                        int64_t chunk_size,
+                                        XlaSsmDtype dtype);
+
+// The SSD forward on host memory, on the calling thread (and worker threads it joins).
+//
+// # Safety
+// `args` points at a valid struct whose pointers address arrays of the sizes it describes.
+XlaSsmStatus xla_ssm_ssd_fwd_host(const struct XlaSsmSsdFwdArgs *args);
+
+// The SSD forward on device memory, enqueued on `stream` (a `CUstream`; NULL for the legacy
+// default stream of the current context); needs the workspace. Does not synchronize.
+//
+// # Safety
+// As [`xla_ssm_ssd_fwd_host`], with device pointers of the stream's context.
+XlaSsmStatus xla_ssm_ssd_fwd_cuda_launch(const struct XlaSsmSsdFwdArgs *args, void *stream);
+
+// The SSD backward on host memory, on the calling thread (and worker threads it joins).
+//
+// # Safety
+// `args` points at a valid struct whose pointers address arrays of the sizes it describes.
+XlaSsmStatus xla_ssm_ssd_bwd_host(const struct XlaSsmSsdBwdArgs *args);
+
+// The SSD backward on device memory, enqueued on `stream` (NULL: the legacy default stream); needs
+// the workspace. Does not synchronize.
+//
+// # Safety
+// As [`xla_ssm_ssd_bwd_host`], with device pointers of the stream's context.
+XlaSsmStatus xla_ssm_ssd_bwd_cuda_launch(const struct XlaSsmSsdBwdArgs *args, void *stream);
+
 // XLA FFI handler of `xla_ssm_selective_scan_fwd` for platform "cpu" (register with
 // `jax.ffi.register_ffi_target(..., platform="cpu")`).
 //
@@ -305,6 +450,32 @@ XLA_FFI_Error *xla_ssm_selective_scan_bwd_cpu(XLA_FFI_CallFrame *call_frame);
 // # Safety
 // Called by XLA with a valid call frame.
 XLA_FFI_Error *xla_ssm_selective_scan_bwd_cuda(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_ssd_fwd` (Mamba-2 SSD forward) for platform "cpu".
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_ssd_fwd_cpu(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_ssd_fwd` for platform "CUDA". Runs on XLA's stream with the workspace
+// result as its only scratch, and never synchronizes, so it is safe in CUDA graphs.
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_ssd_fwd_cuda(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_ssd_bwd` (Mamba-2 SSD backward) for platform "cpu".
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_ssd_bwd_cpu(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_ssd_bwd` for platform "CUDA". Runs on XLA's stream with the workspace
+// result as its only scratch, and never synchronizes, so it is safe in CUDA graphs.
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_ssd_bwd_cuda(XLA_FFI_CallFrame *call_frame);
 
 // XLA FFI handler of `xla_ssm_selective_state_update` (selective state update (one decode token, state in place)) for platform "cpu".
 //

@@ -32,7 +32,9 @@ struct SsdParams {
     void* workspace;
     int64_t workspace_bytes;
     int64_t batch, seqlen, heads, headdim, dstate, groups, chunk_size;
-    float dt_min, dt_max;  // 0 and +inf: no clamp
+    // dt is clamped to [dt_min, dt_max] (always: ssd_dt). -inf and +inf never clamp; 0 and +inf (the
+    // default) only zero negative dt, so after softplus they do nothing.
+    float dt_min, dt_max;
     int32_t dt_softplus;
     int32_t D_per_channel;  // D is (heads, headdim)
 };

@@ -8,9 +8,16 @@ LOG="${OUT:-/tmp}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT/bindings/python" XLA_SSM_LIBRARY="$ROOT/.bundle/libxla_ssm.so"
 status=0
 nvidia-smi -L
-for t in ${XLA_SSM_GPU_TESTS:-ffi_cuda ffi_cuda_bwd ffi_cuda_decode}; do
+bin_dir="$(mktemp -d)"
+trap 'rm -rf "$bin_dir"' EXIT
+for t in ${XLA_SSM_GPU_TESTS:-ffi_cuda ffi_cuda_bwd ffi_cuda_decode ffi_cuda_ssd}; do
   echo "== cargo test binary: $t"
-  ".bundle/tests/$t" --test-threads=1 2>&1 | tee "$LOG/test_$t.log" | tail -n 5 || status=1
+  exe=".bundle/tests/$t"
+  if [[ ! -f "$exe" && -f "$exe.gz" ]]; then  # gpu-bundle.sh gzips them
+    gzip -dc "$exe.gz" > "$bin_dir/$t" && chmod +x "$bin_dir/$t"
+    exe="$bin_dir/$t"
+  fi
+  "$exe" --test-threads=1 2>&1 | tee "$LOG/test_$t.log" | tail -n 5 || status=1
 done
 echo "== pytest (JAX on the GPU)"
 python3 -m pytest -q tests/python 2>&1 | tee "$LOG/pytest.log" | tail -n 8 || status=1

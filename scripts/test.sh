@@ -59,4 +59,7 @@ python bench/bench_selective_scan.py --device cpu --quick --no-baselines --out "
 section "bench (CPU, quick): decode step (bench/bench_decode.py), outputs checked"
 python bench/bench_decode.py --device cpu --out "${TMPDIR:-/tmp}/xla_ssm_bench"
 
+section "bench (CPU, quick): SSD (bench/bench_ssd.py), outputs and gradients checked"
+python bench/bench_ssd.py --device cpu --quick --out "${TMPDIR:-/tmp}/xla_ssm_bench"
+
 section "all tests passed"

@@ -7,6 +7,7 @@ use crate::DType;
 use std::ffi::c_void;
 
 pub mod selective_scan;
+pub mod ssd;
 
 /// Where an operation runs.
 #[derive(Debug, Clone, Copy)]

@@ -197,6 +197,30 @@ impl<'a> Frame<'a> {
         Ok(unsafe { *(scalar.value as *const u8) } != 0)
     }
 
+    /// A float attribute: an f32 scalar (what `jax.ffi.ffi_call` makes of `np.float32`), or an f64
+    /// one (a Python float with x64 on), rounded to f32.
+    pub fn attr_f32(&self, name: &str) -> Result<f32> {
+        let (ty, value) = self.attr(name)?;
+        if ty != XLA_FFI_ATTR_TYPE_SCALAR {
+            return Err(Error::invalid(format!(
+                "attribute `{name}`: expected a float scalar, got {}",
+                attr_type_name(ty)
+            )));
+        }
+        // SAFETY: a scalar attribute points at an XLA_FFI_Scalar whose value has its dtype's size.
+        unsafe {
+            let scalar = &*(value as *const XLA_FFI_Scalar);
+            match scalar.dtype {
+                XLA_FFI_DATA_TYPE_F32 => Ok((scalar.value as *const f32).read_unaligned()),
+                XLA_FFI_DATA_TYPE_F64 => Ok((scalar.value as *const f64).read_unaligned() as f32),
+                other => Err(Error::invalid(format!(
+                    "attribute `{name}`: expected an f32 scalar, got a {} scalar",
+                    DType::from_xla(other).name()
+                ))),
+            }
+        }
+    }
+
     /// A string attribute.
     pub fn attr_str(&self, name: &str) -> Result<String> {
         let (ty, value) = self.attr(name)?;

@@ -4,7 +4,7 @@
 use super::ffi::*;
 use super::frame::{make_error, Call, Frame};
 use crate::error::{Error, Result};
-use crate::ops::{selective_scan, Platform};
+use crate::ops::{selective_scan, ssd, Platform};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// Runs `body` for one XLA call. Nothing unwinds out of here: a panic becomes an INTERNAL error.
@@ -114,6 +114,52 @@ pub unsafe extern "C" fn xla_ssm_selective_scan_bwd_cuda(call_frame: *mut XLA_FF
     run_handler(call_frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, |frame| {
         let stream = frame.stream()?;
         selective_scan::bwd_from_frame(frame, Platform::Cuda { stream })
+    })
+}
+
+// ---- Mamba-2's chunked SSD scan (docs/ssd.md).
+
+/// XLA FFI handler of `xla_ssm_ssd_fwd` (Mamba-2 SSD forward) for platform "cpu".
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_ssd_fwd_cpu(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, 0, |frame| ssd::fwd_from_frame(frame, Platform::Cpu))
+}
+
+/// XLA FFI handler of `xla_ssm_ssd_fwd` for platform "CUDA". Runs on XLA's stream with the workspace
+/// result as its only scratch, and never synchronizes, so it is safe in CUDA graphs.
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_ssd_fwd_cuda(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, |frame| {
+        let stream = frame.stream()?;
+        ssd::fwd_from_frame(frame, Platform::Cuda { stream })
+    })
+}
+
+/// XLA FFI handler of `xla_ssm_ssd_bwd` (Mamba-2 SSD backward) for platform "cpu".
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_ssd_bwd_cpu(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, 0, |frame| ssd::bwd_from_frame(frame, Platform::Cpu))
+}
+
+/// XLA FFI handler of `xla_ssm_ssd_bwd` for platform "CUDA". Runs on XLA's stream with the workspace
+/// result as its only scratch, and never synchronizes, so it is safe in CUDA graphs.
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_ssd_bwd_cuda(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, |frame| {
+        let stream = frame.stream()?;
+        ssd::bwd_from_frame(frame, Platform::Cuda { stream })
     })
 }
 

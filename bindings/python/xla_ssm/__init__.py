@@ -1,4 +1,4 @@
-"""xla_ssm: state-space-model kernels (Mamba selective scan) as XLA FFI targets, for JAX.
+"""xla_ssm: state-space-model kernels (Mamba selective scan, Mamba-2 SSD) as XLA FFI targets, for JAX.
 
 The shared library ``libxla_ssm.so`` is looked for in ``$XLA_SSM_LIBRARY``, then next to this
 package, then in ``<repo>/target/release``; it is loaded and its targets registered with
@@ -38,3 +38,8 @@ __all__ += [
     "selective_state_update",
     "selective_state_update_ref",
 ]
+
+# Mamba-2's chunked SSD scan (docs/ssd.md).
+from ._ssd import CHUNK_SIZES, ssd, ssd_ref  # noqa: E402
+
+__all__ += ["CHUNK_SIZES", "ssd", "ssd_ref"]

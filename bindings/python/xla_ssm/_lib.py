@@ -22,6 +22,8 @@ TARGETS = (
     "xla_ssm_causal_conv1d_bwd",
     "xla_ssm_causal_conv1d_update",
     "xla_ssm_mamba_decode_step",
+    "xla_ssm_ssd_fwd",
+    "xla_ssm_ssd_bwd",
 )
 
 _lock = threading.Lock()
@@ -78,6 +80,13 @@ def load() -> ctypes.CDLL:
         lib.xla_ssm_selective_scan_fwd_workspace_bytes.argtypes = [ctypes.c_int64] * 4
         lib.xla_ssm_selective_scan_bwd_workspace_bytes.restype = ctypes.c_int64
         lib.xla_ssm_selective_scan_bwd_workspace_bytes.argtypes = [ctypes.c_int64] * 5
+        for fn in ("xla_ssm_ssd_fwd_workspace_bytes", "xla_ssm_ssd_bwd_workspace_bytes"):
+            sizer = getattr(lib, fn, None)
+            if sizer is None:
+                raise OSError(f"xla_ssm: {path} does not export {fn}")
+            sizer.restype = ctypes.c_int64
+            # (batch, seqlen, heads, headdim, dstate, groups, chunk_size, dtype code)
+            sizer.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int32]
         for target in TARGETS:
             done = []
             cpu = getattr(lib, target + "_cpu", None)

@@ -716,7 +716,7 @@ fn operand_names(present: [bool; 4], extra: &[(&'static str, bool)]) -> Vec<&'st
 }
 
 /// Decodes the operands of `names` (checking their count) and returns them with a lookup by name.
-fn frame_operands(frame: &Frame, op: &'static str, names: &[&'static str]) -> Result<Vec<Tensor>> {
+pub(crate) fn frame_operands(frame: &Frame, op: &'static str, names: &[&'static str]) -> Result<Vec<Tensor>> {
     if frame.num_args() != names.len() {
         return Err(Error::invalid(format!(
             "{op}: expected {} operands ({}) as the attributes say, got {}",
@@ -729,7 +729,11 @@ fn frame_operands(frame: &Frame, op: &'static str, names: &[&'static str]) -> Re
 }
 
 /// The results of `names` (optional ones absent), then an optional `workspace`.
-fn frame_results(frame: &Frame, op: &'static str, names: &[&'static str]) -> Result<(Vec<Tensor>, Option<Tensor>)> {
+pub(crate) fn frame_results(
+    frame: &Frame,
+    op: &'static str,
+    names: &[&'static str],
+) -> Result<(Vec<Tensor>, Option<Tensor>)> {
     let n = names.len();
     if frame.num_rets() != n && frame.num_rets() != n + 1 {
         return Err(Error::invalid(format!(

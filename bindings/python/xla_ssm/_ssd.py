@@ -1,0 +1,372 @@
+"""`ssd`: Mamba-2's chunked SSD scan (docs/ssd.md), differentiable and vmappable; `ssd_ref`, the
+same in pure JAX (lax.scan over the sequence).
+
+Layers, outermost first:
+  ssd                  checks shapes/dtypes in Python
+  _ssd (custom_vjp)    forward saving chunk_states, backward through `xla_ssm_ssd_bwd`
+  _vcall (custom_vmap) jax.vmap: folds the mapped axis into batch (a forward whose per-head
+                       parameters are shared) or into heads (otherwise): never a sequential loop
+  _raw                 jax.ffi.ffi_call, with the CUDA workspace (not allocated on the CPU)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_batching import custom_vmap
+
+from . import _lib
+from ._scan import _ffi
+from ._selective_scan import _as_arrays, _name, _softplus
+
+FWD = "xla_ssm_ssd_fwd"
+BWD = "xla_ssm_ssd_bwd"
+CHUNK_SIZES = (32, 64, 128, 256)
+MAX_DSTATE = 256
+_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_F32 = jnp.dtype(jnp.float32)
+# C API dtype codes (XLA_SSM_F32, XLA_SSM_BF16, XLA_SSM_F16), for the workspace sizes.
+_DTYPE_CODE = {_FLOATS[0]: 0, _FLOATS[1]: 1, _FLOATS[2]: 2}
+
+
+class _Cfg(NamedTuple):
+    """Everything static about one call (hashable: a jit / custom_vjp key)."""
+
+    chunk_size: int
+    dt_softplus: bool
+    dt_min: float
+    dt_max: float
+    d_rank: int  # 0: no D, 1: (heads,), 2: (heads, headdim)
+    has_z: bool
+    has_dt_bias: bool
+    has_initial_states: bool
+    return_final_states: bool
+
+
+class _Call(NamedTuple):
+    kind: str  # "fwd" or "bwd"
+    cfg: _Cfg
+    save_chunk_states: bool = False
+    has_dfinal_states: bool = False
+
+
+# Roles of operands and results, which say how each is vmapped (its batch axis, and the axis that
+# runs over heads: over groups for B/C):
+#   x: (batch, seqlen, heads, headdim); dt: (batch, seqlen, heads); bc: (batch, seqlen, groups,
+#   dstate); param: (heads, ...); state: (batch, heads, headdim, dstate);
+#   chunk: (batch, heads, headdim, n_chunks, dstate).
+_HEAD_AXIS = {"x": 2, "dt": 2, "bc": 2, "param": 0, "state": 1, "chunk": 1}
+_PER_EXAMPLE = frozenset(("x", "dt", "bc", "state", "chunk"))  # have a batch axis (axis 0)
+
+
+def _param_roles(cfg: _Cfg):
+    roles = ["x", "dt", "param", "bc", "bc"]
+    roles += ["param"] * (cfg.d_rank > 0) + ["x"] * cfg.has_z + ["param"] * cfg.has_dt_bias
+    return roles + ["state"] * cfg.has_initial_states
+
+
+def _in_roles(call: _Call):
+    roles = _param_roles(call.cfg)
+    if call.kind == "bwd":
+        roles += ["chunk", "x"] + ["state"] * call.has_dfinal_states
+    return roles
+
+
+def _out_roles(call: _Call):
+    if call.kind == "bwd":  # one gradient per differentiable operand
+        return _param_roles(call.cfg)
+    return ["x", "state"] + ["chunk"] * call.save_chunk_states
+
+
+# ----------------------------------------------------------------------------- the FFI calls
+def _attrs(call: _Call):
+    cfg = call.cfg
+    attrs = dict(
+        chunk_size=np.int64(cfg.chunk_size),
+        has_D=np.bool_(cfg.d_rank > 0),
+        has_z=np.bool_(cfg.has_z),
+        has_dt_bias=np.bool_(cfg.has_dt_bias),
+        has_initial_states=np.bool_(cfg.has_initial_states),
+        dt_softplus=np.bool_(cfg.dt_softplus),
+        dt_min=np.float32(cfg.dt_min),
+        dt_max=np.float32(cfg.dt_max),
+    )
+    if call.kind == "fwd":
+        attrs["save_chunk_states"] = np.bool_(call.save_chunk_states)
+    else:
+        attrs["has_dfinal_states"] = np.bool_(call.has_dfinal_states)
+    return attrs
+
+
+def _raw(call: _Call, *ops):
+    """One FFI call on operands in ABI order."""
+    cfg = call.cfg
+    x, B = ops[0], ops[3]
+    batch, seqlen, heads, headdim = x.shape
+    groups, dstate = B.shape[2], B.shape[3]
+    lib = _lib.require(FWD if call.kind == "fwd" else BWD)
+    shape = (batch, seqlen, heads, headdim, dstate, groups, cfg.chunk_size, _DTYPE_CODE[jnp.dtype(x.dtype)])
+    state = jax.ShapeDtypeStruct((batch, heads, headdim, dstate), _F32)
+    n_chunks = -(-seqlen // cfg.chunk_size)
+    if call.kind == "fwd":
+        results = [jax.ShapeDtypeStruct(x.shape, x.dtype), state]
+        if call.save_chunk_states:
+            results.append(jax.ShapeDtypeStruct((batch, heads, headdim, n_chunks, dstate), _F32))
+        ws = lib.xla_ssm_ssd_fwd_workspace_bytes(*shape)
+        return _ffi(FWD, results, ws, ops, _attrs(call))
+    n = len(_param_roles(cfg))
+    results = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in ops[:n]]  # gradients: primal shapes and dtypes
+    ws = lib.xla_ssm_ssd_bwd_workspace_bytes(*shape)
+    return _ffi(BWD, results, ws, ops, _attrs(call))
+
+
+# ----------------------------------------------------------------------------------- vmap
+@functools.lru_cache(maxsize=None)
+def _vcall_fn(call: _Call):
+    f = custom_vmap(lambda *ops: _raw(call, *ops))
+    f.def_vmap(functools.partial(_vmap_rule, call, f))
+    return f
+
+
+def _vcall(call: _Call, *ops):
+    return _vcall_fn(call)(*ops)
+
+
+def _vmap_rule(call: _Call, f, axis_size, in_batched, *ops):
+    """jax.vmap of one call, in one call. The mapped axis (k) joins batch when it can (a forward
+    whose per-head parameters are shared: a free reshape), else heads (and groups): the k examples
+    become k*heads heads, each with its own copy of the parameters, so the backward's per-head
+    gradient sums stay per example (what vmap of a gradient means) and mapped parameters need no
+    loop. Head j of example i is head i*heads + j and reads group i*groups + j // (heads/groups):
+    the groups fold the same way."""
+    k = axis_size
+    roles = _in_roles(call)
+    params_mapped = any(b for r, b in zip(roles, in_batched) if r not in _PER_EXAMPLE)
+    into_batch = call.kind == "fwd" and not params_mapped
+
+    def axis(role):
+        return 0 if into_batch else _HEAD_AXIS[role]
+
+    folded = []
+    for role, x, b in zip(roles, ops, in_batched):
+        if into_batch and role not in _PER_EXAMPLE:
+            folded.append(x)  # a shared parameter stays as it is
+            continue
+        if not b:
+            x = jnp.broadcast_to(x, (k, *x.shape))
+        ax = axis(role)
+        x = jnp.moveaxis(x, 0, ax)
+        folded.append(x.reshape(*x.shape[:ax], k * x.shape[ax + 1], *x.shape[ax + 2 :]))
+    res = f(*folded)  # f again: an outer vmap folds its axis the same way
+    out = []
+    for role, y in zip(_out_roles(call), res):
+        ax = axis(role)
+        y = y.reshape(*y.shape[:ax], k, y.shape[ax] // k if k else 0, *y.shape[ax + 1 :])
+        out.append(jnp.moveaxis(y, ax, 0))
+    return tuple(out), (True,) * len(out)
+
+
+# ------------------------------------------------------------------------------ custom_vjp
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ssd(cfg: _Cfg, ops):
+    y, final_states = _vcall(_Call("fwd", cfg), *ops)
+    return y, final_states
+
+
+def _ssd_fwd(cfg: _Cfg, ops):
+    y, final_states, chunk_states = _vcall(_Call("fwd", cfg, save_chunk_states=True), *ops)
+    return (y, final_states), (ops, chunk_states)
+
+
+def _ssd_bwd(cfg: _Cfg, res, cts):
+    ops, chunk_states = res
+    dy, dfinal_states = cts
+    args = [*ops, chunk_states, dy.astype(ops[0].dtype)]
+    if cfg.return_final_states:  # else the caller never saw final_states: its cotangent is zero
+        args.append(dfinal_states.astype(_F32))
+    grads = _vcall(_Call("bwd", cfg, has_dfinal_states=cfg.return_final_states), *args)
+    return (tuple(grads),)
+
+
+_ssd.defvjp(_ssd_fwd, _ssd_bwd)
+
+
+# ------------------------------------------------------------------------------ public API
+def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states, final):
+    """Validate against docs/ssd.md; returns (d_rank, dt_min, dt_max)."""
+    for name, v in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
+        if not hasattr(v, "shape") or not hasattr(v, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(v).__name__}")
+    for name, v in (("dt_softplus", dt_softplus), ("return_final_states", final)):
+        if not isinstance(v, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a Python bool (static under jit), got {type(v).__name__}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
+    try:
+        dt_min, dt_max = (float(v) for v in dt_limit)
+    except (TypeError, ValueError):
+        raise TypeError(f"dt_limit must be a pair of Python floats (dt_min, dt_max), got {dt_limit!r}") from None
+    if not (dt_min <= dt_max and dt_min < math.inf and dt_max > -math.inf):
+        raise ValueError(
+            f"dt_limit must have dt_min <= dt_max (not NaN, dt_min < inf, dt_max > -inf), got {dt_limit!r}"
+        )
+
+    if x.ndim != 4:
+        raise ValueError(f"x must have rank 4 (batch, seqlen, heads, headdim), got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {_name(x.dtype)}")
+    batch, seqlen, heads, headdim = x.shape
+    T = x.dtype
+
+    def expect(name, v, shape, like_x, meaning):
+        """v has `shape`, and the dtype of x (like_x) or float32."""
+        if tuple(v.shape) != shape:
+            raise ValueError(f"{name} must have shape {meaning}={shape}, got {tuple(v.shape)}")
+        if v.dtype != (T if like_x else _F32):
+            what = f"the dtype of x ({_name(T)})" if like_x else "float32"
+            raise TypeError(f"{name} must be {what}, got {_name(v.dtype)}")
+
+    expect("dt", dt, (batch, seqlen, heads), True, "(batch, seqlen, heads)")
+    expect("A", A, (heads,), False, "(heads,)")
+    if B.ndim != 4 or tuple(B.shape[:2]) != (batch, seqlen):
+        raise ValueError(
+            f"B must have shape (batch, seqlen, groups, dstate)=({batch}, {seqlen}, ., .), got {tuple(B.shape)}"
+        )
+    groups, dstate = B.shape[2], B.shape[3]
+    if groups < 1 or heads % groups:
+        raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups}), groups >= 1")
+    if not 1 <= dstate <= MAX_DSTATE:
+        raise ValueError(f"dstate (B.shape[3]) must be in [1, {MAX_DSTATE}], got {dstate}")
+    expect("B", B, (batch, seqlen, groups, dstate), True, "(batch, seqlen, groups, dstate)")
+    expect("C", C, (batch, seqlen, groups, dstate), True, "(batch, seqlen, groups, dstate)")
+    d_rank = 0
+    if D is not None:
+        d_rank = D.ndim
+        if d_rank == 1:
+            expect("D", D, (heads,), False, "(heads,)")
+        elif d_rank == 2:
+            expect("D", D, (heads, headdim), False, "(heads, headdim)")
+        else:
+            raise ValueError(
+                f"D must have shape (heads,)=({heads},) or (heads, headdim)=({heads}, {headdim}), got {tuple(D.shape)}"
+            )
+    if z is not None:
+        expect("z", z, tuple(x.shape), True, "(batch, seqlen, heads, headdim)")
+    if dt_bias is not None:
+        expect("dt_bias", dt_bias, (heads,), False, "(heads,)")
+    if initial_states is not None:
+        state = (batch, heads, headdim, dstate)
+        expect("initial_states", initial_states, state, False, "(batch, heads, headdim, dstate)")
+    return d_rank, dt_min, dt_max
+
+
+def ssd(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size=256,
+    D=None,
+    z=None,
+    dt_bias=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    initial_states=None,
+    return_final_states=False,
+):
+    """Mamba-2's chunked SSD scan (docs/ssd.md) through libxla_ssm, differentiable.
+
+    x, z: (batch, seqlen, heads, headdim); dt: (batch, seqlen, heads); B, C: (batch, seqlen,
+    groups, dstate), head h reading group h // (heads // groups); these share one dtype (float32,
+    bfloat16 or float16). A, dt_bias: (heads,) float32; D: (heads,) or (heads, headdim) float32;
+    initial_states: (batch, heads, headdim, dstate) float32. Per head and step,
+    dt' = clip(softplus?(dt + dt_bias), *dt_limit), S = exp(dt' A) S + dt' x B^T, y = S C + D x,
+    times silu(z). dt_limit clamps always: the default (0, inf) zeroes negative dt (none after
+    softplus); pass (-inf, inf) for no clamp. `chunk_size` (32, 64, 128 or 256), `dt_softplus`,
+    `dt_limit` and `return_final_states` are static.
+
+    Returns y (like x), and with return_final_states=True also final_states (batch, heads,
+    headdim, dstate) float32. Differentiable in every array argument (the forward saves the state
+    entering each chunk, the backward recomputes within chunks), batchable with jax.vmap (A, D and
+    dt_bias may be mapped too), and jittable.
+    """
+    x, dt, A, B, C, D, z, dt_bias, initial_states = _as_arrays(x, dt, A, B, C, D, z, dt_bias, initial_states)
+    d_rank, dt_min, dt_max = _check(
+        x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states, return_final_states
+    )
+    cfg = _Cfg(
+        chunk_size=int(chunk_size),
+        dt_softplus=bool(dt_softplus),
+        dt_min=dt_min,
+        dt_max=dt_max,
+        d_rank=d_rank,
+        has_z=z is not None,
+        has_dt_bias=dt_bias is not None,
+        has_initial_states=initial_states is not None,
+        return_final_states=bool(return_final_states),
+    )
+    ops = tuple(v for v in (x, dt, A, B, C, D, z, dt_bias, initial_states) if v is not None)
+    y, final_states = _ssd(cfg, ops)
+    return (y, final_states) if return_final_states else y
+
+
+def ssd_ref(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size=256,
+    D=None,
+    z=None,
+    dt_bias=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    initial_states=None,
+    return_final_states=False,
+):
+    """Pure-JAX reference of `ssd` (the plain recurrence, `jax.lax.scan` over seqlen), same
+    signature and results (`chunk_size` only fixes the kernel's residuals: unused here). Arithmetic
+    in float32 (float64 if every input is float64 and x64 is on); y is cast to x's dtype."""
+    x, dt, A, B, C, D, z, dt_bias, initial_states = _as_arrays(x, dt, A, B, C, D, z, dt_bias, initial_states)
+    acc = jnp.promote_types(jnp.float32, jnp.result_type(x, dt, A, B, C))
+    out_dtype = x.dtype
+
+    def f(v):
+        return None if v is None else v.astype(acc)
+
+    x, dt, A, B, C, D, z, dt_bias, h0 = map(f, (x, dt, A, B, C, D, z, dt_bias, initial_states))
+    batch, seqlen, heads, headdim = x.shape
+    groups, dstate = B.shape[2], B.shape[3]
+    if dt_bias is not None:
+        dt = dt + dt_bias
+    if dt_softplus:
+        dt = _softplus(dt)
+    dt = jnp.clip(dt, dt_limit[0], dt_limit[1])
+    # Head h reads group h // (heads // groups).
+    Bh = jnp.repeat(B, heads // groups, axis=2)  # (batch, seqlen, heads, dstate)
+    Ch = jnp.repeat(C, heads // groups, axis=2)
+    s0 = jnp.zeros((batch, heads, headdim, dstate), acc) if h0 is None else h0
+
+    def step(s, xs):
+        dt_t, x_t, b_t, c_t = xs  # (batch, heads), (batch, heads, headdim), (batch, heads, dstate) x2
+        decay = jnp.exp(dt_t * A)[..., None, None]
+        s = decay * s + (dt_t[..., None] * x_t)[..., None] * b_t[:, :, None, :]
+        # Elementwise, not a dot: GPUs would run an f32 dot in TF32.
+        return s, jnp.sum(s * c_t[:, :, None, :], axis=-1)
+
+    xs = tuple(jnp.moveaxis(v, 1, 0) for v in (dt, x, Bh, Ch))
+    s, ys = jax.lax.scan(step, s0, xs, length=seqlen)
+    y = jnp.moveaxis(ys, 0, 1)  # (batch, seqlen, heads, headdim)
+    if D is not None:
+        y = y + (D[:, None] if D.ndim == 1 else D) * x
+    if z is not None:
+        y = y * (z * jax.nn.sigmoid(z))
+    y = y.astype(out_dtype)
+    return (y, s) if return_final_states else y

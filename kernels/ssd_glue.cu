@@ -1,0 +1,148 @@
+// The generic CUDA path of the SSD op (src/ops/ssd/cuda.rs): SSD is run as a selective scan over
+// dim = heads * headdim channels in the channel-last layout. These kernels expand the per-head
+// operands to per-channel ones before the scan, and fold the scan's per-channel gradients back to
+// heads after its backward. Every reduction sums in a fixed order (no atomics): the same inputs
+// give the same bits.
+#include "ssd.cuh"
+
+// Mirrored by `GlueParams` in src/ops/ssd/cuda.rs. The scratch arrays live in the host's workspace.
+struct SsdGlueParams {
+    SsdBwdParams q;           // the SSD call (forward: q.fwd only)
+    void* delta;              // (batch, seqlen, heads * headdim) T: the scan's delta
+    float* A;                 // (heads * headdim, dstate): A[h] for each channel and state
+    float* D;                 // (heads * headdim): D[h] per channel, or null (absent, or already per channel)
+    float* dt_bias;           // (heads * headdim): dt_bias[h] per channel, or null (not passed to the scan)
+    const void* ddelta;       // backward: (batch, seqlen, heads * headdim) T, the scan's gradient of delta
+    const float* dA;          // backward: (heads * headdim, dstate), the scan's gradient of its A
+    const float* dD;          // backward: (heads * headdim) when D is per head
+    const float* ddelta_bias; // backward: (heads * headdim), when the scan had the bias (not transformed)
+    float* ddt_f32;           // backward: (batch, seqlen, heads) ddt before rounding, for ddt_bias when
+                              // transformed; or null
+    // delta holds the final dt (bias, softplus and clamp applied; rounded to T) instead of the raw dt.
+    int32_t transformed;
+    int32_t _reserved;
+};
+static_assert(sizeof(SsdGlueParams) == sizeof(SsdBwdParams) + 9 * 8 + 8, "mirror of GlueParams");
+
+constexpr int kGlueThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ void expand_delta(const SsdGlueParams g) {
+    const SsdParams& p = g.q.fwd;
+    const int64_t rows = p.batch * p.seqlen * p.heads;
+    const int64_t n = rows * p.headdim;
+    const T* dt = static_cast<const T*>(p.dt);
+    T* delta = static_cast<T*>(g.delta);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = i / p.headdim;  // (b * seqlen + l) * heads + h
+        if (g.transformed) {
+            const int64_t h = row % p.heads;
+            delta[i] = from_f32<T>(ssd_dt(p, to_f32(dt[row]), h));
+        } else {
+            delta[i] = dt[row];
+        }
+    }
+}
+
+// A (and D, dt_bias where asked) from per head to per channel.
+__device__ __forceinline__ void expand_params(const SsdGlueParams g) {
+    const SsdParams& p = g.q.fwd;
+    const int64_t dim = p.heads * p.headdim;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < dim * p.dstate;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t channel = i / p.dstate, h = channel / p.headdim;
+        g.A[i] = p.A[h];
+        if (i < dim) {
+            const int64_t h_of_i = i / p.headdim;
+            if (g.D) g.D[i] = p.D[h_of_i];
+            if (g.dt_bias) g.dt_bias[i] = p.dt_bias[h_of_i];
+        }
+    }
+}
+
+// A warp per (b, l, h) row: ddt = sum over headdim of ddelta (lanes stride the row, then a
+// butterfly: a fixed order), times the derivative of the transform when delta was transformed.
+template <typename T>
+__device__ __forceinline__ void reduce_ddt(const SsdGlueParams g) {
+    const SsdParams& p = g.q.fwd;
+    const int64_t rows = p.batch * p.seqlen * p.heads;
+    const int lane = threadIdx.x & 31;
+    const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+    const T* ddelta = static_cast<const T*>(g.ddelta);
+    for (int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < rows; row += warps) {
+        float sum = 0.f;
+        for (int64_t k = lane; k < p.headdim; k += 32) sum += to_f32(ddelta[row * p.headdim + k]);
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        if (lane != 0) continue;
+        if (g.transformed) {
+            const int64_t h = row % p.heads;
+            const float raw = to_f32(static_cast<const T*>(p.dt)[row]);
+            bool passes;
+            ssd_dt(p, raw, h, &passes);
+            const float pre = raw + (p.dt_bias ? p.dt_bias[h] : 0.f);
+            const float dsoftplus = p.dt_softplus ? 1.f / (1.f + expf(-pre)) : 1.f;
+            sum = passes ? sum * dsoftplus : 0.f;
+        }
+        static_cast<T*>(g.q.ddt)[row] = from_f32<T>(sum);
+        if (g.ddt_f32) g.ddt_f32[row] = sum;
+    }
+}
+
+// The sum of x(i) for i in [0, n) over the block, in a fixed order: per thread by stride, then a tree.
+template <typename F>
+__device__ __forceinline__ float block_sum(int64_t n, F x, float* shared) {
+    float acc = 0.f;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) acc += x(i);
+    shared[threadIdx.x] = acc;
+    __syncthreads();
+    for (int half = kGlueThreads / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) shared[threadIdx.x] += shared[threadIdx.x + half];
+        __syncthreads();
+    }
+    const float total = shared[0];
+    __syncthreads();
+    return total;
+}
+
+// One block per head: dA[h], and dD[h] and ddt_bias[h] where asked, from the per-channel gradients.
+__device__ __forceinline__ void reduce_heads(const SsdGlueParams g) {
+    __shared__ float shared[kGlueThreads];
+    const SsdParams& p = g.q.fwd;
+    const int64_t h = blockIdx.x, hd = p.headdim;
+    const float* dA = g.dA + h * hd * p.dstate;
+    const float da = block_sum(hd * p.dstate, [&](int64_t i) { return dA[i]; }, shared);
+    if (threadIdx.x == 0) g.q.dA[h] = da;
+    // Per-head D: its gradient sums its channels' (none when headdim is 0: the scratch may be null).
+    if (g.q.dD && !p.D_per_channel) {
+        const float dd = block_sum(hd, [&](int64_t i) { return g.dD[h * hd + i]; }, shared);
+        if (threadIdx.x == 0) g.q.dD[h] = dd;
+    }
+    if (g.q.ddt_bias) {
+        // Transformed: dt_bias entered before the transform, so its gradient is the sum of ddt;
+        // else the scan had the bias per channel.
+        const float db =
+            g.transformed
+                ? block_sum(p.batch * p.seqlen, [&](int64_t r) { return g.ddt_f32[r * p.heads + h]; }, shared)
+                : block_sum(hd, [&](int64_t i) { return g.ddelta_bias[h * hd + i]; }, shared);
+        if (threadIdx.x == 0) g.q.ddt_bias[h] = db;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_expand_params(const SsdGlueParams g) {
+    expand_params(g);
+}
+extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_reduce_heads(const SsdGlueParams g) {
+    reduce_heads(g);
+}
+
+#define SSD_GLUE(T)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_expand_delta_##T(const SsdGlueParams g) { \
+        expand_delta<T>(g);                                                                             \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_reduce_ddt_##T(const SsdGlueParams g) { \
+        reduce_ddt<T>(g);                                                                               \
+    }
+SSD_GLUE(f32)
+SSD_GLUE(bf16)
+SSD_GLUE(f16)

@@ -1,0 +1,849 @@
+//! `ssd_fwd` / `ssd_bwd`: Mamba-2's chunked SSD scan and its backward pass (docs/ssd.md has the ABI
+//! and the math).
+//!
+//! [`validate_fwd`] / [`validate_bwd`] check every operand (the message names it, what was expected
+//! and what came) and produce [`SsdParams`] / [`SsdBwdParams`], the structs kernels/ssd.cuh mirrors;
+//! [`run_fwd`] / [`run_bwd`] run them. The XLA handlers and the C API share both.
+//!
+//! The generic path (both platforms) runs SSD as a selective scan over dim = heads * headdim
+//! channels in the channel-last layout: x, B, C, z, y, the states and their gradients already have
+//! the layouts of the scan's u, B, C, z, out and states (channel h * headdim + p reads group
+//! h / (heads / groups), as the scan's dim_per_group = (heads / groups) * headdim says), and
+//! chunk_states are its checkpoints with checkpoint_len = chunk_size. Only dt (broadcast over
+//! headdim into the scan's delta) and the per-head A, D and dt_bias are expanded to channels, in
+//! scratch ([`Scratch`]), and the scan's per-channel gradients of those summed back to heads.
+
+use super::selective_scan::{self, frame_operands, frame_results};
+use super::{args::prefixed, expect, expect_dtype, expect_nonnull, fmt_dims, Platform, Tensor};
+use crate::error::{Error, Result};
+use crate::xla::frame::Frame;
+use crate::DType;
+use std::ffi::c_void;
+
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+pub mod plan;
+
+/// The chunk sizes the op takes (the layout of `chunk_states`; a whole number of the selective
+/// scan's 32-step tiles, at most the CUDA backward's longest checkpoint spacing).
+pub const CHUNK_SIZES: [i64; 4] = [32, 64, 128, 256];
+/// Largest dstate (the selective scan's).
+pub const MAX_DSTATE: i64 = selective_scan::MAX_DSTATE;
+
+/// Kernel parameters of the forward, mirrored field for field by `SsdParams` in kernels/ssd.cuh.
+/// Absent optional operands and results are null.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct SsdParams {
+    pub x: *const c_void,
+    pub dt: *const c_void,
+    pub a: *const f32,
+    pub b: *const c_void,
+    pub c: *const c_void,
+    pub d: *const f32,
+    pub z: *const c_void,
+    pub dt_bias: *const f32,
+    pub initial_states: *const f32,
+    pub y: *mut c_void,
+    pub final_states: *mut f32,
+    /// (batch, heads, headdim, n_chunks, dstate) f32: the state entering each chunk.
+    pub chunk_states: *mut f32,
+    pub workspace: *mut c_void,
+    pub workspace_bytes: i64,
+    pub batch: i64,
+    pub seqlen: i64,
+    pub heads: i64,
+    pub headdim: i64,
+    pub dstate: i64,
+    pub groups: i64,
+    pub chunk_size: i64,
+    pub dt_min: f32,
+    pub dt_max: f32,
+    pub dt_softplus: i32,
+    /// D is (heads, headdim) rather than (heads).
+    pub d_per_channel: i32,
+}
+
+const _: () = assert!(std::mem::size_of::<SsdParams>() == 14 * 8 + 7 * 8 + 4 * 4);
+
+/// Kernel parameters of the backward, mirrored by `SsdBwdParams` in kernels/ssd.cuh: the forward's
+/// (y and final_states null, chunk_states read, the backward's workspace), the cotangents and the
+/// gradients (null where the primal is absent).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct SsdBwdParams {
+    pub fwd: SsdParams,
+    pub dy: *const c_void,
+    pub dfinal_states: *const f32,
+    pub dx: *mut c_void,
+    pub ddt: *mut c_void,
+    pub da: *mut f32,
+    pub db: *mut c_void,
+    pub dc: *mut c_void,
+    pub dd: *mut f32,
+    pub dz: *mut c_void,
+    pub ddt_bias: *mut f32,
+    pub dinitial_states: *mut f32,
+}
+
+const _: () = assert!(std::mem::size_of::<SsdBwdParams>() == std::mem::size_of::<SsdParams>() + 11 * 8);
+
+impl SsdBwdParams {
+    /// A forward's parameters with no cotangents or gradients (what kernels shared by both passes
+    /// see of a forward).
+    pub fn forward_only(fwd: SsdParams) -> SsdBwdParams {
+        let null = std::ptr::null_mut::<f32>();
+        SsdBwdParams {
+            fwd,
+            dy: std::ptr::null(),
+            dfinal_states: null,
+            dx: std::ptr::null_mut(),
+            ddt: std::ptr::null_mut(),
+            da: null,
+            db: std::ptr::null_mut(),
+            dc: std::ptr::null_mut(),
+            dd: null,
+            dz: std::ptr::null_mut(),
+            ddt_bias: null,
+            dinitial_states: null,
+        }
+    }
+}
+
+impl SsdParams {
+    /// Channels of the equivalent selective scan.
+    pub fn dim(&self) -> i64 {
+        self.heads * self.headdim
+    }
+
+    /// (b, l, h) rows of dt.
+    pub fn rows(&self) -> i64 {
+        self.batch * self.seqlen * self.heads
+    }
+
+    pub fn n_chunks(&self) -> i64 {
+        n_chunks(self.seqlen, self.chunk_size)
+    }
+
+    /// Whether the clamp can change no dt: then the scan's delta is the raw dt (exact) and the
+    /// scan applies the bias and softplus itself. It cannot when neither limit is finite, or when
+    /// softplus makes dt >= 0 >= dt_min.
+    pub fn clamp_is_noop(&self) -> bool {
+        self.dt_max == f32::INFINITY
+            && (self.dt_min == f32::NEG_INFINITY || (self.dt_softplus != 0 && self.dt_min <= 0.0))
+    }
+}
+
+/// Chunks of a sequence: ceil(seqlen / chunk_size).
+pub fn n_chunks(seqlen: i64, chunk_size: i64) -> i64 {
+    if chunk_size <= 0 {
+        0
+    } else {
+        (seqlen + chunk_size - 1) / chunk_size
+    }
+}
+
+/// Which optional inputs a call has (their pointers may be null when they are empty).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Present {
+    pub d: bool,
+    pub z: bool,
+    pub dt_bias: bool,
+    pub initial_states: bool,
+}
+
+/// The inputs of both calls, as the host describes them.
+pub struct Inputs<'a> {
+    pub x: &'a Tensor,
+    pub dt: &'a Tensor,
+    pub a: &'a Tensor,
+    pub b: &'a Tensor,
+    pub c: &'a Tensor,
+    /// (heads) or (heads, headdim).
+    pub d: Option<&'a Tensor>,
+    pub z: Option<&'a Tensor>,
+    pub dt_bias: Option<&'a Tensor>,
+    pub initial_states: Option<&'a Tensor>,
+    pub chunk_size: i64,
+    pub dt_softplus: bool,
+    pub dt_min: f32,
+    pub dt_max: f32,
+}
+
+/// The operands and results of one forward call.
+pub struct FwdArgs<'a> {
+    pub inputs: Inputs<'a>,
+    pub y: &'a Tensor,
+    pub final_states: &'a Tensor,
+    /// Written when given (`save_chunk_states`).
+    pub chunk_states: Option<&'a Tensor>,
+    /// Scratch (any dtype); the CUDA target needs [`plan::fwd_workspace_bytes`] bytes.
+    pub workspace: Option<&'a Tensor>,
+}
+
+/// The operands and results of one backward call; each optional gradient is present exactly when
+/// its primal is.
+pub struct BwdArgs<'a> {
+    pub inputs: Inputs<'a>,
+    pub chunk_states: &'a Tensor,
+    pub dy: &'a Tensor,
+    pub dfinal_states: Option<&'a Tensor>,
+    pub dx: &'a Tensor,
+    pub ddt: &'a Tensor,
+    pub da: &'a Tensor,
+    pub db: &'a Tensor,
+    pub dc: &'a Tensor,
+    pub dd: Option<&'a Tensor>,
+    pub dz: Option<&'a Tensor>,
+    pub ddt_bias: Option<&'a Tensor>,
+    pub dinitial_states: Option<&'a Tensor>,
+    /// Scratch (any dtype); the CUDA target needs [`plan::bwd_workspace_bytes`] bytes.
+    pub workspace: Option<&'a Tensor>,
+}
+
+/// A validated forward call.
+#[derive(Debug, Clone, Copy)]
+pub struct Ssd {
+    pub params: SsdParams,
+    /// dtype of x, dt, B, C, z and y.
+    pub dtype: DType,
+    pub present: Present,
+    /// Whether the call writes chunk_states (its pointer may be null when they are empty).
+    pub save_chunk_states: bool,
+}
+
+/// A validated backward call.
+#[derive(Debug, Clone, Copy)]
+pub struct SsdBwd {
+    pub params: SsdBwdParams,
+    /// dtype of x, dt, B, C, z, dy and their gradients.
+    pub dtype: DType,
+    pub present: Present,
+    pub has_dfinal_states: bool,
+}
+
+impl SsdBwd {
+    /// The forward's view of this call (its inputs).
+    pub fn inputs(&self) -> Ssd {
+        Ssd { params: self.params.fwd, dtype: self.dtype, present: self.present, save_chunk_states: false }
+    }
+}
+
+const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+const X_MEANING: &str = "[batch, seqlen, heads, headdim]";
+const DT_MEANING: &str = "[batch, seqlen, heads]";
+const BC_MEANING: &str = "[batch, seqlen, groups, dstate]";
+const STATES_MEANING: &str = "[batch, heads, headdim, dstate]";
+const CHUNK_STATES_MEANING: &str = "[batch, heads, headdim, n_chunks, dstate]";
+
+fn opt_ptr(t: Option<&Tensor>) -> *const c_void {
+    t.map_or(std::ptr::null(), |t| t.data as *const c_void)
+}
+
+fn opt_mut(t: Option<&Tensor>) -> *mut c_void {
+    opt_ptr(t) as *mut c_void
+}
+
+fn workspace_size(t: Option<&Tensor>) -> i64 {
+    t.map_or(0, |w| w.numel() * w.dtype.size_bytes())
+}
+
+/// The checked inputs: the parameters without results, and the shapes results are checked against.
+struct Checked {
+    params: SsdParams,
+    dtype: DType,
+    present: Present,
+    x_dims: Vec<i64>,
+    dt_dims: Vec<i64>,
+    bc_dims: Vec<i64>,
+    d_dims: Vec<i64>,
+    state_dims: Vec<i64>,
+    chunk_dims: Vec<i64>,
+}
+
+fn validate_chunk_size(op: &str, chunk_size: i64) -> Result<()> {
+    if !CHUNK_SIZES.contains(&chunk_size) {
+        return Err(Error::invalid(format!(
+            "{op}: attribute `chunk_size`: expected 32, 64, 128 or 256, got {chunk_size}"
+        )));
+    }
+    Ok(())
+}
+
+fn validate_dt_limits(op: &str, dt_min: f32, dt_max: f32) -> Result<()> {
+    // Written so that NaN fails.
+    let ok = dt_min <= dt_max && dt_min < f32::INFINITY && dt_max > f32::NEG_INFINITY;
+    if !ok {
+        return Err(Error::invalid(format!(
+            "{op}: attributes `dt_min`, `dt_max`: expected dt_min <= dt_max (not NaN, dt_min < +inf, dt_max > -inf), \
+             got dt_min = {dt_min}, dt_max = {dt_max}"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks every input against x's shape and dtype (the checks both calls share).
+fn validate_inputs(op: &str, i: &Inputs) -> Result<Checked> {
+    validate_chunk_size(op, i.chunk_size)?;
+    validate_dt_limits(op, i.dt_min, i.dt_max)?;
+    let x = i.x;
+    if x.dims.len() != 4 || x.dims.iter().any(|&n| n < 0) {
+        return Err(Error::invalid(format!(
+            "{op}: operand `x`: expected rank 4 {X_MEANING}, got shape {}",
+            fmt_dims(&x.dims)
+        )));
+    }
+    expect_dtype(x, &format!("{op}: operand `x`"), &FLOATS)?;
+    let dtype = x.dtype;
+    let (batch, seqlen, heads, headdim) = (x.dims[0], x.dims[1], x.dims[2], x.dims[3]);
+    let dt_dims = vec![batch, seqlen, heads];
+    expect(i.dt, &format!("{op}: operand `dt`"), &dt_dims, DT_MEANING, &[dtype])?;
+    expect(i.a, &format!("{op}: operand `A`"), &[heads], "[heads]", &[DType::F32])?;
+
+    let b = i.b;
+    if b.dims.len() != 4 || b.dims[0] != batch || b.dims[1] != seqlen {
+        return Err(Error::invalid(format!(
+            "{op}: operand `B`: expected shape ({batch}, {seqlen}, groups, dstate) {BC_MEANING}, got {}",
+            fmt_dims(&b.dims)
+        )));
+    }
+    let (groups, dstate) = (b.dims[2], b.dims[3]);
+    if groups < 1 || heads % groups != 0 {
+        return Err(Error::invalid(format!(
+            "{op}: operand `B`: groups (= {groups}) must be at least 1 and divide heads (= {heads})"
+        )));
+    }
+    if !(1..=MAX_DSTATE).contains(&dstate) {
+        return Err(Error::invalid(format!("{op}: operand `B`: dstate must be in [1, {MAX_DSTATE}], got {dstate}")));
+    }
+    let bc_dims = vec![batch, seqlen, groups, dstate];
+    expect(b, &format!("{op}: operand `B`"), &bc_dims, BC_MEANING, &[dtype])?;
+    expect(i.c, &format!("{op}: operand `C` (must match B)"), &bc_dims, BC_MEANING, &[dtype])?;
+
+    let d_dims = match i.d {
+        None => vec![heads],
+        Some(d) => {
+            let dims = if d.dims.len() == 2 { vec![heads, headdim] } else { vec![heads] };
+            if d.dims != dims {
+                return Err(Error::invalid(format!(
+                    "{op}: operand `D`: expected shape ({heads},) [heads] or ({heads}, {headdim}) [heads, headdim], got {}",
+                    fmt_dims(&d.dims)
+                )));
+            }
+            expect_dtype(d, &format!("{op}: operand `D`"), &[DType::F32])?;
+            dims
+        }
+    };
+    if let Some(z) = i.z {
+        expect(z, &format!("{op}: operand `z`"), &x.dims, X_MEANING, &[dtype])?;
+    }
+    if let Some(bias) = i.dt_bias {
+        expect(bias, &format!("{op}: operand `dt_bias`"), &[heads], "[heads]", &[DType::F32])?;
+    }
+    let state_dims = vec![batch, heads, headdim, dstate];
+    if let Some(h0) = i.initial_states {
+        expect(h0, &format!("{op}: operand `initial_states`"), &state_dims, STATES_MEANING, &[DType::F32])?;
+    }
+    let named: [(Option<&Tensor>, &str); 9] = [
+        (Some(x), "x"),
+        (Some(i.dt), "dt"),
+        (Some(i.a), "A"),
+        (Some(b), "B"),
+        (Some(i.c), "C"),
+        (i.d, "D"),
+        (i.z, "z"),
+        (i.dt_bias, "dt_bias"),
+        (i.initial_states, "initial_states"),
+    ];
+    expect_nonnull_all(op, "operand", &named)?;
+
+    let params = SsdParams {
+        x: x.data,
+        dt: i.dt.data,
+        a: i.a.data as *const f32,
+        b: b.data,
+        c: i.c.data,
+        d: opt_ptr(i.d) as *const f32,
+        z: opt_ptr(i.z),
+        dt_bias: opt_ptr(i.dt_bias) as *const f32,
+        initial_states: opt_ptr(i.initial_states) as *const f32,
+        y: std::ptr::null_mut(),
+        final_states: std::ptr::null_mut(),
+        chunk_states: std::ptr::null_mut(),
+        workspace: std::ptr::null_mut(),
+        workspace_bytes: 0,
+        batch,
+        seqlen,
+        heads,
+        headdim,
+        dstate,
+        groups,
+        chunk_size: i.chunk_size,
+        dt_min: i.dt_min,
+        dt_max: i.dt_max,
+        dt_softplus: i.dt_softplus as i32,
+        d_per_channel: (d_dims.len() == 2) as i32,
+    };
+    let present = Present {
+        d: i.d.is_some(),
+        z: i.z.is_some(),
+        dt_bias: i.dt_bias.is_some(),
+        initial_states: i.initial_states.is_some(),
+    };
+    let chunk_dims = vec![batch, heads, headdim, n_chunks(seqlen, i.chunk_size), dstate];
+    Ok(Checked { params, dtype, present, x_dims: x.dims.clone(), dt_dims, bc_dims, d_dims, state_dims, chunk_dims })
+}
+
+/// Each named tensor that is present has data (or is empty).
+fn expect_nonnull_all(op: &str, kind: &str, named: &[(Option<&Tensor>, &str)]) -> Result<()> {
+    for (t, name) in named {
+        if let Some(t) = t {
+            expect_nonnull(t, &format!("{op}: {kind} `{name}`"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Checks a forward call: the inputs, then y, final_states and chunk_states.
+pub fn validate_fwd(args: &FwdArgs) -> Result<Ssd> {
+    let op = "ssd_fwd";
+    let k = validate_inputs(op, &args.inputs)?;
+    expect(args.y, &format!("{op}: result `y`"), &k.x_dims, X_MEANING, &[k.dtype])?;
+    let what = format!("{op}: result `final_states`");
+    expect(args.final_states, &what, &k.state_dims, STATES_MEANING, &[DType::F32])?;
+    if let Some(t) = args.chunk_states {
+        let what = format!("{op}: result `chunk_states`");
+        expect(t, &what, &k.chunk_dims, CHUNK_STATES_MEANING, &[DType::F32])?;
+    }
+    let results = [(Some(args.y), "y"), (Some(args.final_states), "final_states"), (args.chunk_states, "chunk_states")];
+    expect_nonnull_all(op, "result", &results)?;
+    let params = SsdParams {
+        y: args.y.data,
+        final_states: args.final_states.data as *mut f32,
+        chunk_states: opt_mut(args.chunk_states) as *mut f32,
+        workspace: opt_mut(args.workspace),
+        workspace_bytes: workspace_size(args.workspace),
+        ..k.params
+    };
+    Ok(Ssd { params, dtype: k.dtype, present: k.present, save_chunk_states: args.chunk_states.is_some() })
+}
+
+/// Checks a backward call: the inputs, chunk_states, the cotangents and every gradient (shape and
+/// dtype of its primal).
+pub fn validate_bwd(args: &BwdArgs) -> Result<SsdBwd> {
+    let op = "ssd_bwd";
+    let k = validate_inputs(op, &args.inputs)?;
+    let i = &args.inputs;
+    let f32_ = DType::F32;
+    expect(args.chunk_states, &format!("{op}: operand `chunk_states`"), &k.chunk_dims, CHUNK_STATES_MEANING, &[f32_])?;
+    expect(args.dy, &format!("{op}: operand `dy`"), &k.x_dims, X_MEANING, &[k.dtype])?;
+    if let Some(t) = args.dfinal_states {
+        expect(t, &format!("{op}: operand `dfinal_states`"), &k.state_dims, STATES_MEANING, &[f32_])?;
+    }
+    expect(args.dx, &format!("{op}: result `dx`"), &k.x_dims, X_MEANING, &[k.dtype])?;
+    expect(args.ddt, &format!("{op}: result `ddt`"), &k.dt_dims, DT_MEANING, &[k.dtype])?;
+    expect(args.da, &format!("{op}: result `dA`"), &[k.params.heads], "[heads]", &[f32_])?;
+    expect(args.db, &format!("{op}: result `dB`"), &k.bc_dims, BC_MEANING, &[k.dtype])?;
+    expect(args.dc, &format!("{op}: result `dC`"), &k.bc_dims, BC_MEANING, &[k.dtype])?;
+    let d_meaning = if k.d_dims.len() == 2 { "[heads, headdim]" } else { "[heads]" };
+    // (primal, gradient, their names, the gradient's shape, its meaning, dtype)
+    type OptionalGrad<'t> = (Option<&'t Tensor>, Option<&'t Tensor>, &'t str, &'t str, &'t [i64], &'t str, DType);
+    let heads = [k.params.heads];
+    let optional: [OptionalGrad; 4] = [
+        (i.d, args.dd, "D", "dD", &k.d_dims, d_meaning, f32_),
+        (i.z, args.dz, "z", "dz", &k.x_dims, X_MEANING, k.dtype),
+        (i.dt_bias, args.ddt_bias, "dt_bias", "ddt_bias", &heads, "[heads]", f32_),
+        (
+            i.initial_states,
+            args.dinitial_states,
+            "initial_states",
+            "dinitial_states",
+            &k.state_dims,
+            STATES_MEANING,
+            f32_,
+        ),
+    ];
+    for (primal, grad, primal_name, name, dims, meaning, dtype) in optional {
+        match (primal, grad) {
+            (Some(_), Some(t)) => expect(t, &format!("{op}: result `{name}`"), dims, meaning, &[dtype])?,
+            (None, None) => {}
+            (Some(_), None) => {
+                return Err(Error::invalid(format!(
+                    "{op}: result `{name}`: missing, but operand `{primal_name}` is given (its gradient is required)"
+                )))
+            }
+            (None, Some(_)) => {
+                return Err(Error::invalid(format!("{op}: result `{name}`: given, but operand `{primal_name}` is not")))
+            }
+        }
+    }
+    expect_nonnull_all(
+        op,
+        "operand",
+        &[(Some(args.chunk_states), "chunk_states"), (Some(args.dy), "dy"), (args.dfinal_states, "dfinal_states")],
+    )?;
+    expect_nonnull_all(
+        op,
+        "result",
+        &[
+            (Some(args.dx), "dx"),
+            (Some(args.ddt), "ddt"),
+            (Some(args.da), "dA"),
+            (Some(args.db), "dB"),
+            (Some(args.dc), "dC"),
+            (args.dd, "dD"),
+            (args.dz, "dz"),
+            (args.ddt_bias, "ddt_bias"),
+            (args.dinitial_states, "dinitial_states"),
+        ],
+    )?;
+    let params = SsdBwdParams {
+        fwd: SsdParams {
+            chunk_states: args.chunk_states.data as *mut f32,
+            workspace: opt_mut(args.workspace),
+            workspace_bytes: workspace_size(args.workspace),
+            ..k.params
+        },
+        dy: args.dy.data,
+        dfinal_states: opt_ptr(args.dfinal_states) as *const f32,
+        dx: args.dx.data,
+        ddt: args.ddt.data,
+        da: args.da.data as *mut f32,
+        db: args.db.data,
+        dc: args.dc.data,
+        dd: opt_mut(args.dd) as *mut f32,
+        dz: opt_mut(args.dz),
+        ddt_bias: opt_mut(args.ddt_bias) as *mut f32,
+        dinitial_states: opt_mut(args.dinitial_states) as *mut f32,
+    };
+    Ok(SsdBwd { params, dtype: k.dtype, present: k.present, has_dfinal_states: args.dfinal_states.is_some() })
+}
+
+/// Runs a validated forward call.
+pub fn run_fwd(ssd: &Ssd, platform: Platform) -> Result<()> {
+    match platform {
+        Platform::Cpu => cpu::fwd(ssd),
+        #[cfg(feature = "cuda")]
+        Platform::Cuda { stream } => cuda::fwd(ssd, stream),
+        #[cfg(not(feature = "cuda"))]
+        Platform::Cuda { .. } => Err(no_cuda("ssd_fwd")),
+    }
+}
+
+/// Runs a validated backward call.
+pub fn run_bwd(bwd: &SsdBwd, platform: Platform) -> Result<()> {
+    match platform {
+        Platform::Cpu => cpu::bwd(bwd),
+        #[cfg(feature = "cuda")]
+        Platform::Cuda { stream } => cuda::bwd(bwd, stream),
+        #[cfg(not(feature = "cuda"))]
+        Platform::Cuda { .. } => Err(no_cuda("ssd_bwd")),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn no_cuda(op: &str) -> Error {
+    Error::Unimplemented(format!("{op}: this build of xla-ssm has no CUDA support (built without the `cuda` feature)"))
+}
+
+// ------------------------------------------------------------------------------ generic path
+
+/// Per-channel arrays of the generic path, in the platform's memory. `d` and `dt_bias` are null
+/// when the scan reads the caller's D (per channel) / gets no bias; the gradients only in the
+/// backward.
+pub(crate) struct Scratch {
+    /// (batch, seqlen, dim) of dtype T: the raw dt, or the transformed dt ([`Ssd::transformed`]).
+    pub delta: *mut c_void,
+    /// (dim, dstate) f32.
+    pub a: *mut f32,
+    /// (dim) f32.
+    pub d: *mut f32,
+    /// (dim) f32.
+    pub dt_bias: *mut f32,
+    /// Backward: like delta.
+    pub ddelta: *mut c_void,
+    /// Backward: (dim, dstate) f32.
+    pub da: *mut f32,
+    /// Backward: (dim) f32, when `d` is given.
+    pub dd: *mut f32,
+    /// Backward: (dim) f32, when `dt_bias` is given.
+    pub ddelta_bias: *mut f32,
+    /// The selective scan's own workspace (CUDA).
+    pub scan_workspace: *mut c_void,
+    pub scan_workspace_bytes: i64,
+}
+
+impl Ssd {
+    /// Whether the scan's delta is dt after bias, softplus and clamp (rounded to T) rather than the
+    /// raw dt: when a clamp could change it, since the scan has no clamp.
+    pub fn transformed(&self) -> bool {
+        !self.params.clamp_is_noop()
+    }
+
+    /// Whether D is expanded from (heads) to channels (else the caller's (heads, headdim) D is the
+    /// scan's D as it is).
+    pub fn expands_d(&self) -> bool {
+        self.present.d && self.params.d_per_channel == 0
+    }
+
+    /// Whether the scan gets dt_bias (expanded to channels): when delta is the raw dt.
+    pub fn scan_gets_bias(&self) -> bool {
+        self.present.dt_bias && !self.transformed()
+    }
+}
+
+/// Tensors describing an SSD call as a selective scan, over the SSD operands and the scratch.
+struct ScanView {
+    u: Tensor,
+    delta: Tensor,
+    a: Tensor,
+    b: Tensor,
+    c: Tensor,
+    d: Option<Tensor>,
+    z: Option<Tensor>,
+    delta_bias: Option<Tensor>,
+    initial_state: Option<Tensor>,
+    softplus: bool,
+    x_dims: Vec<i64>,
+    state_dims: Vec<i64>,
+    per_channel: Vec<i64>,
+}
+
+fn tensor(dtype: DType, dims: &[i64], data: *const c_void) -> Tensor {
+    Tensor { dtype, dims: dims.to_vec(), data: data as *mut c_void }
+}
+
+impl ScanView {
+    fn new(ssd: &Ssd, s: &Scratch) -> ScanView {
+        let p = &ssd.params;
+        let (t, f32_) = (ssd.dtype, DType::F32);
+        let dim = p.dim();
+        let x_dims = vec![p.batch, p.seqlen, dim];
+        let bc_dims = [p.batch, p.seqlen, p.groups, p.dstate];
+        let state_dims = vec![p.batch, dim, p.dstate];
+        let per_channel = vec![dim];
+        let d_data = if ssd.expands_d() { s.d as *const c_void } else { p.d as *const c_void };
+        ScanView {
+            u: tensor(t, &x_dims, p.x),
+            delta: tensor(t, &x_dims, s.delta),
+            a: tensor(f32_, &[dim, p.dstate], s.a as *const c_void),
+            b: tensor(t, &bc_dims, p.b),
+            c: tensor(t, &bc_dims, p.c),
+            d: ssd.present.d.then(|| tensor(f32_, &per_channel, d_data)),
+            z: ssd.present.z.then(|| tensor(t, &x_dims, p.z)),
+            delta_bias: ssd.scan_gets_bias().then(|| tensor(f32_, &per_channel, s.dt_bias as *const c_void)),
+            initial_state: ssd
+                .present
+                .initial_states
+                .then(|| tensor(f32_, &state_dims, p.initial_states as *const c_void)),
+            softplus: p.dt_softplus != 0 && !ssd.transformed(),
+            x_dims,
+            state_dims,
+            per_channel,
+        }
+    }
+
+    fn inputs(&self) -> selective_scan::Inputs<'_> {
+        selective_scan::Inputs {
+            u: &self.u,
+            delta: &self.delta,
+            a: &self.a,
+            b: &self.b,
+            c: &self.c,
+            d: self.d.as_ref(),
+            z: self.z.as_ref(),
+            delta_bias: self.delta_bias.as_ref(),
+            initial_state: self.initial_state.as_ref(),
+            delta_softplus: self.softplus,
+            layout: selective_scan::Layout::ChannelLast,
+        }
+    }
+}
+
+/// A byte workspace tensor.
+fn byte_tensor(data: *mut c_void, bytes: i64) -> Tensor {
+    Tensor { dtype: DType::Other(crate::xla::ffi::XLA_FFI_DATA_TYPE_U8), dims: vec![bytes.max(0)], data }
+}
+
+/// The scan rejecting what SSD validation accepted is a bug of this module.
+fn internal(op: &str) -> impl Fn(Error) -> Error + '_ {
+    move |e| Error::Internal(format!("{op}: the generic path built an invalid selective scan: {}", e.message()))
+}
+
+/// The selective scan forward of a validated SSD forward, over this scratch.
+pub(crate) fn scan_fwd(ssd: &Ssd, s: &Scratch) -> Result<selective_scan::Fwd> {
+    let p = &ssd.params;
+    let v = ScanView::new(ssd, s);
+    let out = tensor(ssd.dtype, &v.x_dims, p.y);
+    let final_state = tensor(DType::F32, &v.state_dims, p.final_states as *const c_void);
+    let save = ssd.save_chunk_states;
+    let checkpoint_len = if save { p.chunk_size } else { 0 };
+    let checkpoints = tensor(DType::F32, &[p.batch, p.dim(), p.n_chunks(), p.dstate], p.chunk_states as *const c_void);
+    let workspace = byte_tensor(s.scan_workspace, s.scan_workspace_bytes);
+    selective_scan::validate_fwd(&selective_scan::FwdArgs {
+        inputs: v.inputs(),
+        out: &out,
+        final_state: &final_state,
+        checkpoints: save.then_some(&checkpoints),
+        checkpoint_len,
+        workspace: (!s.scan_workspace.is_null()).then_some(&workspace),
+    })
+    .map_err(internal("ssd_fwd"))
+}
+
+/// The selective scan backward of a validated SSD backward, over this scratch: its gradients of
+/// delta, A, D (when expanded) and delta_bias land in the scratch, the others in the SSD results.
+pub(crate) fn scan_bwd(bwd: &SsdBwd, s: &Scratch) -> Result<selective_scan::Bwd> {
+    let ssd = bwd.inputs();
+    let (p, q) = (&ssd.params, &bwd.params);
+    let v = ScanView::new(&ssd, s);
+    let (t, f32_) = (ssd.dtype, DType::F32);
+    let dim = p.dim();
+    let checkpoints = tensor(f32_, &[p.batch, dim, p.n_chunks(), p.dstate], p.chunk_states as *const c_void);
+    let dout = tensor(t, &v.x_dims, q.dy);
+    let dfinal_state = tensor(f32_, &v.state_dims, q.dfinal_states as *const c_void);
+    let du = tensor(t, &v.x_dims, q.dx);
+    let ddelta = tensor(t, &v.x_dims, s.ddelta);
+    let da = tensor(f32_, &[dim, p.dstate], s.da as *const c_void);
+    let db = tensor(t, &v.b.dims, q.db);
+    let dc = tensor(t, &v.b.dims, q.dc);
+    let dd_data = if ssd.expands_d() { s.dd as *const c_void } else { q.dd as *const c_void };
+    let dd = tensor(f32_, &v.per_channel, dd_data);
+    let dz = tensor(t, &v.x_dims, q.dz);
+    let ddelta_bias = tensor(f32_, &v.per_channel, s.ddelta_bias as *const c_void);
+    let dinitial_state = tensor(f32_, &v.state_dims, q.dinitial_states as *const c_void);
+    let workspace = byte_tensor(s.scan_workspace, s.scan_workspace_bytes);
+    selective_scan::validate_bwd(&selective_scan::BwdArgs {
+        inputs: v.inputs(),
+        checkpoints: &checkpoints,
+        checkpoint_len: p.chunk_size,
+        dout: &dout,
+        dfinal_state: bwd.has_dfinal_states.then_some(&dfinal_state),
+        du: &du,
+        ddelta: &ddelta,
+        da: &da,
+        db: &db,
+        dc: &dc,
+        dd: ssd.present.d.then_some(&dd),
+        dz: ssd.present.z.then_some(&dz),
+        ddelta_bias: v.delta_bias.is_some().then_some(&ddelta_bias),
+        dinitial_state: ssd.present.initial_states.then_some(&dinitial_state),
+        workspace: (!s.scan_workspace.is_null()).then_some(&workspace),
+    })
+    .map_err(internal("ssd_bwd"))
+}
+
+// ------------------------------------------------------------------------------------ frames
+
+/// The optional inputs, in operand order, with their `has_*` attributes.
+const OPTIONAL_INPUTS: [(&str, &str); 4] =
+    [("D", "has_D"), ("z", "has_z"), ("dt_bias", "has_dt_bias"), ("initial_states", "has_initial_states")];
+
+/// The attributes both calls share.
+struct Flags {
+    chunk_size: i64,
+    dt_softplus: bool,
+    dt_min: f32,
+    dt_max: f32,
+    present: [bool; 4],
+}
+
+fn frame_flags(frame: &Frame, op: &'static str) -> Result<Flags> {
+    let pre = prefixed(op);
+    let mut present = [false; 4];
+    for (flag, (_, attr)) in present.iter_mut().zip(OPTIONAL_INPUTS) {
+        *flag = frame.attr_bool(attr).map_err(&pre)?;
+    }
+    Ok(Flags {
+        chunk_size: frame.attr_i64("chunk_size").map_err(&pre)?,
+        dt_softplus: frame.attr_bool("dt_softplus").map_err(&pre)?,
+        dt_min: frame.attr_f32("dt_min").map_err(&pre)?,
+        dt_max: frame.attr_f32("dt_max").map_err(&pre)?,
+        present,
+    })
+}
+
+/// Operand names: the five inputs, the present optional ones, then `extra` (each with its presence).
+fn operand_names(present: [bool; 4], extra: &[(&'static str, bool)]) -> Vec<&'static str> {
+    let mut names = vec!["x", "dt", "A", "B", "C"];
+    names.extend(OPTIONAL_INPUTS.iter().zip(present).filter(|(_, p)| *p).map(|((n, _), _)| *n));
+    names.extend(extra.iter().filter(|(_, p)| *p).map(|(n, _)| *n));
+    names
+}
+
+fn find<'t>(names: &[&str], tensors: &'t [Tensor], name: &str) -> Option<&'t Tensor> {
+    names.iter().position(|n| *n == name).map(|i| &tensors[i])
+}
+
+fn frame_inputs<'t>(names: &[&str], operands: &'t [Tensor], f: &Flags) -> Inputs<'t> {
+    Inputs {
+        x: &operands[0],
+        dt: &operands[1],
+        a: &operands[2],
+        b: &operands[3],
+        c: &operands[4],
+        d: find(names, operands, "D"),
+        z: find(names, operands, "z"),
+        dt_bias: find(names, operands, "dt_bias"),
+        initial_states: find(names, operands, "initial_states"),
+        chunk_size: f.chunk_size,
+        dt_softplus: f.dt_softplus,
+        dt_min: f.dt_min,
+        dt_max: f.dt_max,
+    }
+}
+
+/// The XLA handler's body of the forward: decode operands and results per the attributes,
+/// validate, run.
+pub fn fwd_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
+    let op = "ssd_fwd";
+    let flags = frame_flags(frame, op)?;
+    let save = frame.attr_bool("save_chunk_states").map_err(prefixed(op))?;
+    let names = operand_names(flags.present, &[]);
+    let operands = frame_operands(frame, op, &names)?;
+    let mut ret_names = vec!["y", "final_states"];
+    if save {
+        ret_names.push("chunk_states");
+    }
+    let (rets, workspace) = frame_results(frame, op, &ret_names)?;
+    let ssd = validate_fwd(&FwdArgs {
+        inputs: frame_inputs(&names, &operands, &flags),
+        y: &rets[0],
+        final_states: &rets[1],
+        chunk_states: rets.get(2),
+        workspace: workspace.as_ref(),
+    })?;
+    run_fwd(&ssd, platform)
+}
+
+/// The XLA handler's body of the backward.
+pub fn bwd_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
+    let op = "ssd_bwd";
+    let flags = frame_flags(frame, op)?;
+    let has_dfinal = frame.attr_bool("has_dfinal_states").map_err(prefixed(op))?;
+    let names = operand_names(flags.present, &[("chunk_states", true), ("dy", true), ("dfinal_states", has_dfinal)]);
+    let operands = frame_operands(frame, op, &names)?;
+    let mut ret_names = vec!["dx", "ddt", "dA", "dB", "dC"];
+    let grads = ["dD", "dz", "ddt_bias", "dinitial_states"];
+    ret_names.extend(grads.iter().zip(flags.present).filter(|(_, p)| *p).map(|(n, _)| *n));
+    let (rets, workspace) = frame_results(frame, op, &ret_names)?;
+    let ret = |name: &str| find(&ret_names, &rets, name);
+    let bwd = validate_bwd(&BwdArgs {
+        inputs: frame_inputs(&names, &operands, &flags),
+        chunk_states: find(&names, &operands, "chunk_states").expect("named above"),
+        dy: find(&names, &operands, "dy").expect("named above"),
+        dfinal_states: find(&names, &operands, "dfinal_states"),
+        dx: &rets[0],
+        ddt: &rets[1],
+        da: &rets[2],
+        db: &rets[3],
+        dc: &rets[4],
+        dd: ret("dD"),
+        dz: ret("dz"),
+        ddt_bias: ret("ddt_bias"),
+        dinitial_states: ret("dinitial_states"),
+        workspace: workspace.as_ref(),
+    })?;
+    run_bwd(&bwd, platform)
+}

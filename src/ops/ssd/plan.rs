@@ -1,0 +1,172 @@
+//! The workspace of the CUDA generic path: which scratch arrays it holds, where, and how many bytes
+//! a host passes. Not behind the `cuda` feature: hosts size the workspace (C API, JAX) without it.
+//! Sizes depend on the shape and the element size only (every optional array is reserved), so a
+//! host can size the workspace before it knows the flags or the device.
+
+use crate::ops::selective_scan;
+
+/// Alignment of each scratch array, and the slack the total keeps for an unaligned workspace.
+pub const ALIGN: i64 = 256;
+
+/// What the workspace depends on.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Shape {
+    pub batch: i64,
+    pub seqlen: i64,
+    pub heads: i64,
+    pub headdim: i64,
+    pub dstate: i64,
+    pub groups: i64,
+    pub chunk_size: i64,
+    /// Bytes per element of x (2 or 4).
+    pub elem_bytes: i64,
+}
+
+impl Shape {
+    fn dim(&self) -> i64 {
+        self.heads * self.headdim
+    }
+}
+
+/// Byte offsets of the scratch arrays from the workspace's first `ALIGN`-aligned byte (backward-only
+/// ones 0 in a forward layout), and `bytes`, the least workspace a host passes (0 when every array
+/// is empty).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Layout {
+    /// (batch, seqlen, dim) T.
+    pub delta: i64,
+    /// (dim, dstate) f32.
+    pub a: i64,
+    /// (dim) f32.
+    pub d: i64,
+    /// (dim) f32.
+    pub dt_bias: i64,
+    /// (batch, seqlen, dim) T.
+    pub ddelta: i64,
+    /// (dim, dstate) f32.
+    pub da: i64,
+    /// (dim) f32.
+    pub dd: i64,
+    /// (dim) f32.
+    pub ddelta_bias: i64,
+    /// (batch, seqlen, heads) f32.
+    pub ddt_f32: i64,
+    /// The selective scan's workspace, `scan_bytes` long.
+    pub scan: i64,
+    pub scan_bytes: i64,
+    pub bytes: i64,
+}
+
+/// Hands out aligned byte ranges one after another.
+#[derive(Default)]
+struct Carver {
+    next: i64,
+}
+
+impl Carver {
+    fn take(&mut self, bytes: i64) -> i64 {
+        let at = self.next;
+        self.next += (bytes.max(0) + ALIGN - 1) / ALIGN * ALIGN;
+        at
+    }
+
+    /// The workspace a host passes: the arrays plus the slack for aligning its start; none when
+    /// every array is empty.
+    fn total(&self) -> i64 {
+        if self.next == 0 {
+            0
+        } else {
+            self.next + ALIGN
+        }
+    }
+}
+
+/// The forward's scratch: delta, A, D and dt_bias per channel, then the scan's optional workspace
+/// (its sequence split).
+pub fn fwd_layout(s: &Shape) -> Layout {
+    let (dim, rows) = (s.dim(), s.batch * s.seqlen);
+    let mut c = Carver::default();
+    let delta = c.take(rows * dim * s.elem_bytes);
+    let a = c.take(dim * s.dstate * 4);
+    let d = c.take(dim * 4);
+    let dt_bias = c.take(dim * 4);
+    let scan_bytes = selective_scan::workspace_bytes(s.batch, dim, s.seqlen, s.dstate);
+    let scan = c.take(scan_bytes);
+    Layout { delta, a, d, dt_bias, scan, scan_bytes, bytes: c.total(), ..Layout::default() }
+}
+
+/// The backward's scratch: the forward's per-channel inputs, the scan's per-channel gradients of
+/// them, ddt in f32 (for ddt_bias), then the scan backward's workspace.
+pub fn bwd_layout(s: &Shape) -> Layout {
+    let (dim, rows) = (s.dim(), s.batch * s.seqlen);
+    let mut c = Carver::default();
+    let delta = c.take(rows * dim * s.elem_bytes);
+    let a = c.take(dim * s.dstate * 4);
+    let d = c.take(dim * 4);
+    let dt_bias = c.take(dim * 4);
+    let ddelta = c.take(rows * dim * s.elem_bytes);
+    let da = c.take(dim * s.dstate * 4);
+    let dd = c.take(dim * 4);
+    let ddelta_bias = c.take(dim * 4);
+    let ddt_f32 = c.take(rows * s.heads * 4);
+    let scan_bytes = selective_scan::bwd_workspace_bytes(s.batch, dim, s.seqlen, s.dstate, s.groups);
+    let scan = c.take(scan_bytes);
+    Layout { delta, a, d, dt_bias, ddelta, da, dd, ddelta_bias, ddt_f32, scan, scan_bytes, bytes: c.total() }
+}
+
+/// Sizes a shape can be asked about: non-negative, groups dividing heads (else: no workspace, and
+/// the call itself is refused).
+fn sane(s: &Shape) -> Option<Shape> {
+    let all = [s.batch, s.seqlen, s.heads, s.headdim, s.dstate, s.groups, s.chunk_size, s.elem_bytes];
+    if all.iter().any(|&v| v < 0) || s.groups == 0 || s.heads % s.groups != 0 {
+        return None;
+    }
+    Some(*s)
+}
+
+/// Bytes of workspace the CUDA forward needs.
+pub fn fwd_workspace_bytes(s: &Shape) -> i64 {
+    sane(s).map_or(0, |s| fwd_layout(&s).bytes)
+}
+
+/// Bytes of workspace the CUDA backward needs.
+pub fn bwd_workspace_bytes(s: &Shape) -> i64 {
+    sane(s).map_or(0, |s| bwd_layout(&s).bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arrays_are_aligned_and_disjoint() {
+        let s =
+            Shape { batch: 2, seqlen: 33, heads: 6, headdim: 5, dstate: 7, groups: 3, chunk_size: 32, elem_bytes: 2 };
+        let l = bwd_layout(&s);
+        let dim = 30;
+        let spans = [
+            (l.delta, 2 * 33 * dim * 2),
+            (l.a, dim * 7 * 4),
+            (l.d, dim * 4),
+            (l.dt_bias, dim * 4),
+            (l.ddelta, 2 * 33 * dim * 2),
+            (l.da, dim * 7 * 4),
+            (l.dd, dim * 4),
+            (l.ddelta_bias, dim * 4),
+            (l.ddt_f32, 2 * 33 * 6 * 4),
+            (l.scan, l.scan_bytes),
+        ];
+        for (i, &(at, len)) in spans.iter().enumerate() {
+            assert_eq!(at % ALIGN, 0);
+            assert!(at + len + ALIGN <= l.bytes, "array {i} ends past the workspace");
+            for &(other, other_len) in &spans[i + 1..] {
+                assert!(at + len <= other || other + other_len <= at, "arrays overlap");
+            }
+        }
+        assert!(l.scan_bytes > 0);
+        assert_eq!(bwd_workspace_bytes(&Shape { groups: 4, ..s }), 0, "groups must divide heads");
+        // Without a batch, the per-channel A still goes through the scan (its dA is zero).
+        assert!(fwd_workspace_bytes(&Shape { batch: 0, ..s }) > 0);
+        assert_eq!(fwd_workspace_bytes(&Shape { heads: 0, ..s }), 0);
+    }
+}
