@@ -4,11 +4,13 @@ weighted sum of y over all inputs) against the lax.scan reference xla_ssm.ssd_re
     PYTHONPATH=bindings/python XLA_SSM_LIBRARY=target/release/libxla_ssm.so \
         python bench/bench_ssd.py --device cpu|gpu [--quick]
 
-Inputs: every option on (D per head, z, dt_bias, softplus, initial_states), one group, chunk 256,
+Inputs as in the issue's benchmark: D per head, dt_bias, softplus (--all-options adds z and
+initial_states, which sends the CUDA backward down the generic path), one group, chunk 256,
 Mamba-2-like magnitudes. Outputs and gradients are checked against the reference (relative L2; the
 exit status is 1 when one disagrees). GPU: bf16, batch 2 x seqlen 1000 x 8 heads x headdim 64 x
-dstate 128, and the design's shape 8 x 2048 x 64 x 64 x 128 (its reference gradient would keep
-every step's state, 32 GB: not run); CPU: f32 and bf16 at 1 x 512 x 4 x 32 x 16. --quick: the first.
+dstate 128, and the issue's shapes 8 x 2048 x 64 x 64 x 128 and 1 x 16384 x 64 x 64 x 128 (their
+reference gradients would keep every step's state, 32 GB: not run); CPU: f32 and bf16 at
+1 x 512 x 4 x 32 x 16. --quick: the first.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="only the first shape (and dtype)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-baselines", action="store_true", help="time only our implementation")
+    p.add_argument("--all-options", action="store_true", help="also z and initial_states")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     return p.parse_args(argv)
 
@@ -45,10 +48,11 @@ import jax.numpy as jnp  # noqa: E402
 import xla_ssm  # noqa: E402
 
 # (batch, seqlen, heads, headdim, dstate), and whether the reference gradient fits in memory.
-GPU_CASES = [((2, 1000, 8, 64, 128), True), ((8, 2048, 64, 64, 128), False)]
+GPU_CASES = [((2, 1000, 8, 64, 128), True), ((8, 2048, 64, 64, 128), False), ((1, 16384, 64, 64, 128), False)]
 CPU_CASES = [((1, 512, 4, 32, 16), True)]
-# Mamba-2's Triton kernel on the H100 at the design's shape (DESIGN.md), bf16 forward.
-TRITON_FWD_US = {(8, 2048, 64, 64, 128): 1000.0}
+# Mamba-2's Triton kernels on the H100 (the issue), bf16: forward, and forward + backward.
+TRITON_FWD_US = {(8, 2048, 64, 64, 128): 1000.0, (1, 16384, 64, 64, 128): 841.0}
+TRITON_GRAD_US = {(8, 2048, 64, 64, 128): 4925.0, (1, 16384, 64, 64, 128): 3498.0}
 TOL = {"float32": 1e-4, "bfloat16": 3e-2}
 NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 STATIC = dict(chunk_size=256, dt_softplus=True)
@@ -78,7 +82,8 @@ def make_inputs(shape, dtype, seed=0):
 
     x = gen()
     jax.block_until_ready(x)
-    return tuple(x[k] for k in NAMES)
+    optional = () if ARGS.all_options else ("z", "initial_states")
+    return tuple(None if k in optional else x[k] for k in NAMES)
 
 
 def call(scan):
@@ -116,7 +121,7 @@ def run_case(shape, ref_grad_fits, dtype, records):
     msg = f"{name}: y vs lax.scan reference, rel L2 {err:.1e}"
     if ref_grad_fits:
         got, want = g_ours(args, w), grad_fn(xla_ssm.ssd_ref)(args, w)
-        errs = {k: fb.rel_l2_device(g, r) for k, g, r in zip(NAMES, got, want)}
+        errs = {k: fb.rel_l2_device(g, r) for k, g, r in zip(NAMES, got, want) if g is not None}
         rec["worst_grad_rel_l2"] = max(errs.values())
         if not rec["worst_grad_rel_l2"] <= TOL[dname]:
             fb.FAILURES.append(f"{name}: gradient rel L2 {errs}")
@@ -135,7 +140,7 @@ def run_case(shape, ref_grad_fits, dtype, records):
 def report(records):
     headers = ["shape (b x l x h x p x n)", "dtype", "fwd", "fwd+bwd", "lax.scan fwd", "vs", "lax.scan fwd+bwd", "vs"]
     if ARGS.device == "gpu":
-        headers += ["Triton fwd", "vs"]
+        headers += ["Triton fwd", "vs", "Triton fwd+bwd", "vs"]
     rows = []
     for r in records:
         row = [
@@ -144,8 +149,9 @@ def report(records):
             fb.fmt_us(r.get("ref_grad_s")), fb.fmt_x(fb.ratio(r.get("ref_grad_s"), r["grad_s"])),
         ]  # fmt: skip
         if ARGS.device == "gpu":
-            triton = TRITON_FWD_US.get(tuple(r["shape"]))
-            row += [fb.fmt_us(triton and triton * 1e-6), fb.fmt_x(fb.ratio(triton and triton * 1e-6, r["fwd_s"]))]
+            for table, ours in ((TRITON_FWD_US, r["fwd_s"]), (TRITON_GRAD_US, r["grad_s"])):
+                triton = table.get(tuple(r["shape"]))
+                row += [fb.fmt_us(triton and triton * 1e-6), fb.fmt_x(fb.ratio(triton and triton * 1e-6, ours))]
         rows.append(row)
     fb.log(f"\ntimes in us (median of jitted calls); chunk_size {STATIC['chunk_size']}; vs: reference time / ours")
     fb.print_table(headers, rows)
@@ -164,6 +170,8 @@ def main():
     report(records)
     meta = fb.base_meta()
     meta["triton_fwd_us"] = {"x".join(map(str, k)): v for k, v in TRITON_FWD_US.items()}
+    meta["triton_grad_us"] = {"x".join(map(str, k)): v for k, v in TRITON_GRAD_US.items()}
+    meta["options"] = "D, dt_bias, softplus" + (", z, initial_states" if ARGS.all_options else "")
     fb.write_results(ARGS.out, meta, records, f"ssd_{ARGS.device}")
     if fb.FAILURES:
         fb.log("MISMATCHES / FAILURES:\n  " + "\n  ".join(fb.FAILURES))

@@ -78,7 +78,7 @@ fn f64s(v: &[f32]) -> Vec<f64> {
 fn roundtrip(case: &SsdCase, with_dfinal: bool, stream: *mut c_void) -> (Errors, Errors) {
     let p = SsdProblem::random(case, with_dfinal);
     let got = gpu_fwd(&p, stream).unwrap_or_else(|(c, m)| panic!("CUDA forward failed ({c}): {m}\ncase: {case:?}"));
-    let (ey, _) = check_fwd(case, &p.reference(), &got);
+    let (ey, _) = check_fwd(case, &p.reference(), &got, case.cuda_states_tol());
     let cs = got.chunk_states.clone().expect("chunk_states");
     let grads =
         gpu_bwd(&p, &cs, stream).unwrap_or_else(|(c, m)| panic!("CUDA backward failed ({c}): {m}\ncase: {case:?}"));
@@ -203,6 +203,43 @@ fn large_shapes() {
     roundtrip_all("large", &cases);
 }
 
+/// The tensor-core kernels (bf16/f16, headdim 64, dstate 64 or 128, chunks of whole 64-step tiles;
+/// the backward without z): odd lengths, groups, both forms of D, the clamp, and the sequence splits
+/// of both passes (few batch x heads: up to one part per 64-step tile forward, per chunk backward).
+#[test]
+fn tensor_core_paths() {
+    if !gpu() {
+        return;
+    }
+    let mut cases = Vec::new();
+    // (batch, seqlen, heads, dstate, groups, chunk_size, dtype, D form, z, clamp)
+    for (k, &(b, l, h, n, g, q, dtype, d, z, clamp)) in [
+        (1, 1, 1, 64, 1, 64, Dt::BF16, DForm::PerHead, false, false),
+        (1, 700, 2, 128, 1, 128, Dt::BF16, DForm::PerChannel, false, true),
+        (2, 333, 4, 64, 2, 64, Dt::F16, DForm::None, false, false),
+        (1, 1000, 3, 128, 3, 256, Dt::F16, DForm::PerHead, false, true),
+        (3, 130, 4, 128, 4, 64, Dt::BF16, DForm::PerHead, true, false),
+        (2, 64, 8, 64, 2, 64, Dt::BF16, DForm::PerChannel, false, false),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let case = SsdCase {
+            groups: g,
+            chunk_size: q,
+            dtype,
+            d,
+            has_z: z,
+            dt_limit: if clamp { CLAMP } else { (0.0, f32::INFINITY) },
+            seed: 700 + k as u64,
+            ..SsdCase::new(b, l, h, 64, n).all_optional()
+        };
+        assert!(case.tensor_cores());
+        cases.push(case);
+    }
+    roundtrip_all("tensor cores", &cases);
+}
+
 #[test]
 fn zero_sized_dims() {
     if !gpu() {
@@ -215,7 +252,7 @@ fn zero_sized_dims() {
                 SsdCase { groups: g, chunk_size: 32, dt_limit: limit, ..SsdCase::new(b, l, h, p, 4).all_optional() };
             let pr = SsdProblem::random(&case, true);
             let got = gpu_fwd(&pr, stream.ptr()).unwrap();
-            check_fwd(&case, &pr.reference(), &got);
+            check_fwd(&case, &pr.reference(), &got, case.cuda_states_tol());
             let grads = gpu_bwd(&pr, got.chunk_states.as_ref().unwrap(), stream.ptr()).unwrap();
             check_grads(&case, &pr.reference_bwd(), &grads);
         }

@@ -145,6 +145,21 @@ impl SsdCase {
             Tol::F32
         }
     }
+
+    /// Whether the CUDA target runs this case on its tensor-core kernels (plan::mma_applies): their
+    /// products take operands in the inputs' dtype, so the f32 states carry its rounding.
+    pub fn tensor_cores(&self) -> bool {
+        self.dtype != Dt::F32 && self.headdim == 64 && matches!(self.dstate, 64 | 128) && self.chunk_size % 64 == 0
+    }
+
+    /// Tolerance of the forward's f32 states on CUDA.
+    pub fn cuda_states_tol(&self) -> Tol {
+        if self.tensor_cores() {
+            self.dtype.tol()
+        } else {
+            self.f32_tol()
+        }
+    }
 }
 
 /// The inputs in f64 (the reference's arithmetic; finite differences perturb these).
@@ -269,7 +284,7 @@ impl SsdProblem {
         let c = &self.case;
         vec![
             ("chunk_size", Attr::Scalar(xla::S64, (c.chunk_size as i64).to_le_bytes().to_vec())),
-            ("has_D", Attr::Bool(c.d != DForm::None)),
+            ("has_d", Attr::Bool(c.d != DForm::None)),
             ("has_z", Attr::Bool(c.has_z)),
             ("has_dt_bias", Attr::Bool(c.has_dt_bias)),
             ("has_initial_states", Attr::Bool(c.has_initial_states)),
@@ -803,12 +818,13 @@ impl SsdProblem {
 
 // ------------------------------------------------------------------------------ checks
 
-/// Asserts the forward's results against the reference; returns the worst errors (y, states).
-pub fn check_fwd(case: &SsdCase, want: &Fwd64, got: &FwdOut) -> (Errors, Errors) {
+/// Asserts the forward's results against the reference, the states within `states_tol`; returns the
+/// worst errors (y, states).
+pub fn check_fwd(case: &SsdCase, want: &Fwd64, got: &FwdOut, states_tol: Tol) -> (Errors, Errors) {
     let ey = assert_close("y", case, &got.y, &want.y, case.dtype.tol());
-    let es = assert_close("final_states", case, &got.final_states, &want.final_states, case.f32_tol());
+    let es = assert_close("final_states", case, &got.final_states, &want.final_states, states_tol);
     if let Some(cs) = &got.chunk_states {
-        assert_close("chunk_states", case, cs, &want.chunk_states, case.f32_tol());
+        assert_close("chunk_states", case, cs, &want.chunk_states, states_tol);
     }
     (ey, es)
 }
@@ -823,7 +839,12 @@ pub fn grad_tol(case: &SsdCase, name: &str) -> Tol {
         // Transformed: ddt_bias sums over batch and steps the row sums of values rounded to the
         // dtype, of both signs (measured up to 1.3e-2 rel L2 in bf16 on the GPU).
         (t, "ddt_bias") if case.transformed() => Tol { rel_l2: 4.0 * t.tol().rel_l2, rel_max: 4.0 * t.tol().rel_max },
-        (t, "ddt") | (t, "ddt_bias") => Tol { rel_l2: 2.0 * t.tol().rel_l2, rel_max: 2.0 * t.tol().rel_max },
+        // dA sums dt times the suffix sums of the cum gradient over every step, terms of both signs
+        // built from products of T-rounded operands (the tensor-core backward rounds S and dS to T
+        // as mma operands): measured up to 1.1e-2 rel L2 in bf16 on the H100.
+        (t, "ddt") | (t, "ddt_bias") | (t, "dA") => {
+            Tol { rel_l2: 2.0 * t.tol().rel_l2, rel_max: 2.0 * t.tol().rel_max }
+        }
         (t, _) => t.tol(),
     }
 }

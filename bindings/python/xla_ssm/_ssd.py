@@ -88,7 +88,7 @@ def _attrs(call: _Call):
     cfg = call.cfg
     attrs = dict(
         chunk_size=np.int64(cfg.chunk_size),
-        has_D=np.bool_(cfg.d_rank > 0),
+        has_d=np.bool_(cfg.d_rank > 0),
         has_z=np.bool_(cfg.has_z),
         has_dt_bias=np.bool_(cfg.has_dt_bias),
         has_initial_states=np.bool_(cfg.has_initial_states),
@@ -197,6 +197,12 @@ _ssd.defvjp(_ssd_fwd, _ssd_bwd)
 
 
 # ------------------------------------------------------------------------------ public API
+def _effective_limit(dt_min, dt_max):
+    """The clamp the targets apply: the default (0, inf) means none, as in Mamba's reference (the
+    targets always clamp, so it becomes (-inf, inf))."""
+    return (-math.inf, math.inf) if (dt_min, dt_max) == (0.0, math.inf) else (dt_min, dt_max)
+
+
 def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states, final):
     """Validate against docs/ssd.md; returns (d_rank, dt_min, dt_max)."""
     for name, v in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
@@ -215,6 +221,7 @@ def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, ini
         raise ValueError(
             f"dt_limit must have dt_min <= dt_max (not NaN, dt_min < inf, dt_max > -inf), got {dt_limit!r}"
         )
+    dt_min, dt_max = _effective_limit(dt_min, dt_max)
 
     if x.ndim != 4:
         raise ValueError(f"x must have rank 4 (batch, seqlen, heads, headdim), got shape {tuple(x.shape)}")
@@ -287,8 +294,8 @@ def ssd(
     bfloat16 or float16). A, dt_bias: (heads,) float32; D: (heads,) or (heads, headdim) float32;
     initial_states: (batch, heads, headdim, dstate) float32. Per head and step,
     dt' = clip(softplus?(dt + dt_bias), *dt_limit), S = exp(dt' A) S + dt' x B^T, y = S C + D x,
-    times silu(z). dt_limit clamps always: the default (0, inf) zeroes negative dt (none after
-    softplus); pass (-inf, inf) for no clamp. `chunk_size` (32, 64, 128 or 256), `dt_softplus`,
+    times silu(z). The default dt_limit (0, inf) does not clamp, as in Mamba's reference; any other
+    pair clamps (the gradient passes where dt_min <= dt' <= dt_max). `chunk_size` (32, 64, 128 or 256), `dt_softplus`,
     `dt_limit` and `return_final_states` are static.
 
     Returns y (like x), and with return_final_states=True also final_states (batch, heads,
@@ -348,7 +355,7 @@ def ssd_ref(
         dt = dt + dt_bias
     if dt_softplus:
         dt = _softplus(dt)
-    dt = jnp.clip(dt, dt_limit[0], dt_limit[1])
+    dt = jnp.clip(dt, *_effective_limit(float(dt_limit[0]), float(dt_limit[1])))
     # Head h reads group h // (heads // groups).
     Bh = jnp.repeat(B, heads // groups, axis=2)  # (batch, seqlen, heads, dstate)
     Ch = jnp.repeat(C, heads // groups, axis=2)

@@ -1,9 +1,10 @@
-//! The CUDA target. [`fwd`] and [`bwd`] pick a path; today there is the generic one: expand the
-//! per-head operands to channels (kernels/ssd_glue.cu), run the selective scan's CUDA kernels, and
-//! (backward) sum its per-channel gradients back to heads. Scratch comes from the workspace result
-//! ([`super::plan`]). A chunked tensor-core kernel joins as another branch of [`fwd`], taken where
-//! it supports the call.
+//! The CUDA target. [`fwd`] and [`bwd`] pick a path: the tensor-core kernels ([`super::cuda_mma`])
+//! where they apply (bf16/f16, headdim 64, dstate 64 or 128, chunks of whole 64-step tiles; the
+//! backward also without z), else the generic one: expand the per-head operands to channels
+//! (kernels/ssd_glue.cu), run the selective scan's CUDA kernels, and (backward) sum its per-channel
+//! gradients back to heads. Scratch comes from the workspace result ([`super::plan`]).
 
+use super::cuda_mma;
 use super::plan::{self, Layout};
 use super::{scan_bwd, scan_fwd, Scratch, Ssd, SsdBwd, SsdBwdParams, SsdParams};
 use crate::cuda::{launch, LaunchConfig};
@@ -39,12 +40,37 @@ const _: () = assert!(std::mem::size_of::<GlueParams>() == std::mem::size_of::<S
 
 /// The forward on `stream`: the first path that takes the call.
 pub(super) fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
-    generic_fwd(ssd, stream)
+    let p = &ssd.params;
+    let shape = shape(p, ssd.dtype);
+    if !plan::mma_applies(&shape) {
+        return generic_fwd(ssd, stream);
+    }
+    if !cuda_mma::aligned(p) {
+        return Err(Error::invalid(
+            "ssd_fwd: the CUDA target takes x, B and C 16-byte aligned, z and y 4-byte aligned, the states \
+             8-byte aligned (XLA's buffers always are)",
+        ));
+    }
+    let base = workspace_at("ssd_fwd", p, plan::fwd_workspace_bytes(&shape), "xla_ssm_ssd_fwd_workspace_bytes")?;
+    cuda_mma::fwd(ssd, &shape, base, stream)
 }
 
 /// The backward on `stream`.
 pub(super) fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
-    generic_bwd(bwd, stream)
+    let p = &bwd.params.fwd;
+    let shape = shape(p, bwd.dtype);
+    if !plan::mma_applies(&shape) || bwd.present.z {
+        return generic_bwd(bwd, stream);
+    }
+    if !cuda_mma::bwd_aligned(&bwd.params) {
+        return Err(Error::invalid(
+            "ssd_bwd: the CUDA target takes x, B, C and dy 16-byte aligned, z, y and dx 4-byte aligned, the \
+             states 8-byte aligned (XLA's buffers always are)",
+        ));
+    }
+    let needed = plan::mma_bwd_layout(&shape).bytes;
+    let base = workspace_at("ssd_bwd", p, needed, "xla_ssm_ssd_bwd_workspace_bytes")?;
+    cuda_mma::bwd(bwd, &shape, base, stream)
 }
 
 fn shape(p: &SsdParams, dtype: DType) -> plan::Shape {
@@ -62,14 +88,18 @@ fn shape(p: &SsdParams, dtype: DType) -> plan::Shape {
 
 /// The workspace's first `plan::ALIGN`-aligned byte, once it is known to hold `layout`.
 fn workspace_base(op: &str, p: &SsdParams, layout: &Layout, sizer: &str) -> Result<*mut u8> {
-    if layout.bytes == 0 {
+    workspace_at(op, p, layout.bytes, sizer)
+}
+
+/// The workspace's first `plan::ALIGN`-aligned byte, once it is known to hold `bytes` (null for 0).
+fn workspace_at(op: &str, p: &SsdParams, bytes: i64, sizer: &str) -> Result<*mut u8> {
+    if bytes == 0 {
         return Ok(std::ptr::null_mut());
     }
     let given = if p.workspace.is_null() { 0 } else { p.workspace_bytes };
-    if given < layout.bytes {
+    if given < bytes {
         return Err(Error::invalid(format!(
-            "{op}: result `workspace`: the CUDA target needs at least {} bytes ({sizer}), got {given}",
-            layout.bytes
+            "{op}: result `workspace`: the CUDA target needs at least {bytes} bytes ({sizer}), got {given}"
         )));
     }
     let align = plan::ALIGN as usize;

@@ -23,6 +23,8 @@ use std::ffi::c_void;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_mma;
 pub mod plan;
 
 /// The chunk sizes the op takes (the layout of `chunk_states`; a whole number of the selective
@@ -738,7 +740,7 @@ pub(crate) fn scan_bwd(bwd: &SsdBwd, s: &Scratch) -> Result<selective_scan::Bwd>
 
 /// The optional inputs, in operand order, with their `has_*` attributes.
 const OPTIONAL_INPUTS: [(&str, &str); 4] =
-    [("D", "has_D"), ("z", "has_z"), ("dt_bias", "has_dt_bias"), ("initial_states", "has_initial_states")];
+    [("D", "has_d"), ("z", "has_z"), ("dt_bias", "has_dt_bias"), ("initial_states", "has_initial_states")];
 
 /// The attributes both calls share.
 struct Flags {

@@ -124,14 +124,107 @@ fn sane(s: &Shape) -> Option<Shape> {
     Some(*s)
 }
 
-/// Bytes of workspace the CUDA forward needs.
+/// Bytes of workspace the CUDA forward needs: the tensor-core kernel's where it applies (it needs
+/// 16-byte aligned x, B and C there), else the generic path's.
 pub fn fwd_workspace_bytes(s: &Shape) -> i64 {
-    sane(s).map_or(0, |s| fwd_layout(&s).bytes)
+    sane(s).map_or(0, |s| if mma_applies(&s) { mma_fwd_bytes(&s) } else { fwd_layout(&s).bytes })
 }
 
-/// Bytes of workspace the CUDA backward needs.
+/// Bytes of workspace the CUDA backward needs: where the tensor-core kernel applies, enough for it and
+/// for the generic path (taken with z, which the sizes do not know about).
 pub fn bwd_workspace_bytes(s: &Shape) -> i64 {
-    sane(s).map_or(0, |s| bwd_layout(&s).bytes)
+    sane(s).map_or(0, |s| {
+        let generic = bwd_layout(&s).bytes;
+        if mma_applies(&s) {
+            generic.max(mma_bwd_layout(&s).bytes)
+        } else {
+            generic
+        }
+    })
+}
+
+/// Steps per tile of the tensor-core forward (kernels/ssd_fwd.cu).
+pub const MMA_TILE: i64 = 64;
+/// Blocks the split aims for: two per SM of a 132-SM H100.
+const MMA_WAVE_BLOCKS: i64 = 264;
+
+/// Whether the tensor-core forward takes a call of this shape: 2-byte elements (bf16, f16),
+/// headdim 64, dstate 64 or 128, chunks of whole tiles (its chunk states are written per tile).
+pub fn mma_applies(s: &Shape) -> bool {
+    s.elem_bytes == 2 && s.headdim == 64 && (s.dstate == 64 || s.dstate == 128) && s.chunk_size % MMA_TILE == 0
+}
+
+/// Parts of the tensor-core forward's sequence split: as many as one wave of blocks holds (a second,
+/// partial wave would cost a whole one), at most one per tile.
+pub fn mma_split_parts(s: &Shape) -> i64 {
+    let blocks = s.batch * s.heads;
+    if blocks == 0 {
+        return 1;
+    }
+    let tiles = (s.seqlen + MMA_TILE - 1) / MMA_TILE;
+    (MMA_WAVE_BLOCKS / blocks).min(tiles).max(1)
+}
+
+/// The tensor-core forward's workspace: each part but the last records its end state (headdim x
+/// dstate) and its total decay, f32.
+fn mma_fwd_bytes(s: &Shape) -> i64 {
+    let parts = mma_split_parts(s);
+    let records = (parts - 1) * s.batch * s.heads * (s.headdim * s.dstate + 1) * 4;
+    if records == 0 {
+        0
+    } else {
+        records + ALIGN
+    }
+}
+
+/// Where the tensor-core backward's arrays lie in its workspace (byte offsets from the aligned start)
+/// and how it splits the sequence.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MmaBwdLayout {
+    /// Parts of whole chunks (one wave of blocks), `chunks_per_part` chunks each.
+    pub n_parts: i64,
+    pub chunks_per_part: i64,
+    /// (batch, seqlen, heads, dstate) bf16 each: per-head dB and dC.
+    pub db_part: i64,
+    pub dc_part: i64,
+    /// (n_parts, batch * heads, tiles per chunk - 1, headdim * dstate) f32: recomputed tile states.
+    pub scratch: i64,
+    /// (n_parts, batch, heads) f32 each, and (n_parts, batch, heads, headdim) f32.
+    pub da_part: i64,
+    pub dbias_part: i64,
+    pub dd_part: i64,
+    /// (n_parts - 1, batch * heads, headdim * dstate + 1) f32: the later parts' gradients and decays.
+    pub records: i64,
+    pub bytes: i64,
+}
+
+pub fn mma_bwd_layout(s: &Shape) -> MmaBwdLayout {
+    let bh = s.batch * s.heads;
+    let n_chunks = (s.seqlen + s.chunk_size - 1) / s.chunk_size;
+    let wanted = if bh == 0 { 1 } else { (MMA_WAVE_BLOCKS / bh).min(n_chunks).max(1) };
+    let chunks_per_part = ((n_chunks + wanted - 1) / wanted).max(1);
+    let n_parts = ((n_chunks + chunks_per_part - 1) / chunks_per_part).max(1);
+    let state = s.headdim * s.dstate;
+    let mut c = Carver::default();
+    let db_part = c.take(s.batch * s.seqlen * s.heads * s.dstate * 2);
+    let dc_part = c.take(s.batch * s.seqlen * s.heads * s.dstate * 2);
+    let scratch = c.take(n_parts * bh * (s.chunk_size / MMA_TILE - 1) * state * 4);
+    let da_part = c.take(n_parts * bh * 4);
+    let dbias_part = c.take(n_parts * bh * 4);
+    let dd_part = c.take(n_parts * bh * s.headdim * 4);
+    let records = c.take((n_parts - 1) * bh * (state + 1) * 4);
+    MmaBwdLayout {
+        n_parts,
+        chunks_per_part,
+        db_part,
+        dc_part,
+        scratch,
+        da_part,
+        dbias_part,
+        dd_part,
+        records,
+        bytes: c.total(),
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,144 @@
+//! The tensor-core kernels (kernels/ssd_fwd.cu, kernels/ssd_bwd.cu), for the calls
+//! [`plan::mma_applies`] admits (the backward also needs z absent): a block of 4 warps per (batch,
+//! head) and part of the sequence, the state (forward) or its gradient (backward) in mma
+//! accumulators. With several parts, a first launch records what each part passes on (forward: its
+//! end state and decay; backward: the gradient entering it), and the second starts every part from the
+//! records of the parts before (after) it.
+
+use super::plan::{self, Shape, MMA_TILE};
+use super::{Ssd, SsdBwd, SsdBwdParams, SsdParams};
+use crate::cuda::{launch, LaunchConfig};
+use crate::error::Result;
+use std::ffi::c_void;
+
+const FWD_MODULE: &str = "ssd_fwd";
+const BWD_MODULE: &str = "ssd_bwd";
+/// `ssd_mma::kThreads`.
+const THREADS: u32 = 128;
+/// Threads of the reduce kernels' blocks, and the most blocks of the grid-stride one.
+const REDUCE_THREADS: u32 = 256;
+const REDUCE_MAX_BLOCKS: u64 = 4096;
+
+/// Mirror of `SsdMmaParams` (kernels/ssd_fwd.cu).
+#[repr(C)]
+struct FwdMmaParams {
+    p: SsdParams,
+    tiles_per_part: i64,
+    n_parts: i64,
+}
+
+/// Mirror of `ssd_mma::SsdBwdMmaParams` (kernels/ssd_bwd.cu).
+#[repr(C)]
+struct BwdMmaParams {
+    q: SsdBwdParams,
+    db_part: *mut c_void,
+    dc_part: *mut c_void,
+    scratch: *mut f32,
+    da_part: *mut f32,
+    dbias_part: *mut f32,
+    dd_part: *mut f32,
+    records: *mut f32,
+    chunks_per_part: i64,
+    n_parts: i64,
+}
+
+/// `sizeof(Smem<T, N>)` (static_assert there): double-buffered x (64 x 72), B and C (64 x (N + 8))
+/// tiles of 2-byte elements, the state tile, and two tiles' scalars.
+fn fwd_shared_bytes(dstate: i64) -> u32 {
+    (20480 + 640 * (dstate + 8)) as u32
+}
+
+/// `sizeof(BwdSmem<T, N>)` (static_assert there): x and dy (64 x 72), B, C, S and dS (64 x (N + 8))
+/// tiles, and per-step scalars and partial sums.
+fn bwd_shared_bytes(dstate: i64) -> u32 {
+    (21264 + 512 * (dstate + 8)) as u32
+}
+
+/// Whether the pointers suit the kernels: x, B, C (and dy) as 16-byte vectors (cp.async), states as
+/// float2, the rest as element pairs.
+pub(super) fn aligned(p: &SsdParams) -> bool {
+    let at = |ptr: *const c_void, bytes: usize| (ptr as usize).is_multiple_of(bytes);
+    at(p.x, 16)
+        && at(p.b, 16)
+        && at(p.c, 16)
+        && at(p.z, 4)
+        && at(p.y, 4)
+        && at(p.initial_states as *const c_void, 8)
+        && at(p.final_states as *const c_void, 8)
+        && at(p.chunk_states as *const c_void, 8)
+}
+
+pub(super) fn bwd_aligned(q: &SsdBwdParams) -> bool {
+    let at = |ptr: *const c_void, bytes: usize| (ptr as usize).is_multiple_of(bytes);
+    aligned(&q.fwd)
+        && at(q.dy, 16)
+        && at(q.dx, 4)
+        && at(q.dfinal_states as *const c_void, 8)
+        && at(q.dinitial_states as *const c_void, 8)
+}
+
+fn blocks(p: &SsdParams, parts: i64, shared_bytes: u32) -> LaunchConfig {
+    LaunchConfig { grid: ((p.batch * p.heads) as u64, parts as u64, 1), block: THREADS, shared_bytes }
+}
+
+/// The forward; `workspace` is the workspace's aligned start (null when no split is planned).
+pub(super) fn fwd(ssd: &Ssd, shape: &Shape, workspace: *mut u8, stream: *mut c_void) -> Result<()> {
+    let p = &ssd.params;
+    if p.batch * p.heads == 0 {
+        return Ok(());
+    }
+    let n_tiles = (p.seqlen + MMA_TILE - 1) / MMA_TILE;
+    let planned = if workspace.is_null() { 1 } else { plan::mma_split_parts(shape) };
+    let tiles_per_part = ((n_tiles + planned - 1) / planned).max(1);
+    let n_parts = ((n_tiles + tiles_per_part - 1) / tiles_per_part).max(1);
+    let args = FwdMmaParams { p: SsdParams { workspace: workspace as *mut c_void, ..*p }, tiles_per_part, n_parts };
+    let types = format!("{}_n{}", ssd.dtype.name(), p.dstate);
+    let smem = fwd_shared_bytes(p.dstate);
+    if n_parts > 1 {
+        launch(stream, FWD_MODULE, &format!("ssd_fwd_mma_local_{types}"), blocks(p, n_parts - 1, smem), &args)?;
+    }
+    launch(stream, FWD_MODULE, &format!("ssd_fwd_mma_{types}"), blocks(p, n_parts, smem), &args)
+}
+
+/// The backward, its scratch at `workspace` (the aligned start of at least
+/// `plan::mma_bwd_layout(shape).bytes`).
+pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut c_void) -> Result<()> {
+    let q = &bwd.params;
+    let p = &q.fwd;
+    let layout = plan::mma_bwd_layout(shape);
+    let at = |offset: i64| workspace.wrapping_add(offset as usize);
+    let args = BwdMmaParams {
+        q: *q,
+        db_part: at(layout.db_part) as *mut c_void,
+        dc_part: at(layout.dc_part) as *mut c_void,
+        scratch: at(layout.scratch) as *mut f32,
+        da_part: at(layout.da_part) as *mut f32,
+        dbias_part: at(layout.dbias_part) as *mut f32,
+        dd_part: at(layout.dd_part) as *mut f32,
+        records: at(layout.records) as *mut f32,
+        chunks_per_part: layout.chunks_per_part,
+        n_parts: layout.n_parts,
+    };
+    let types = format!("{}_n{}", bwd.dtype.name(), p.dstate);
+    let smem = bwd_shared_bytes(p.dstate);
+    if layout.n_parts > 1 {
+        let config = blocks(p, layout.n_parts - 1, smem);
+        launch(stream, BWD_MODULE, &format!("ssd_bwd_mma_local_{types}"), config, &args)?;
+    }
+    launch(stream, BWD_MODULE, &format!("ssd_bwd_mma_{types}"), blocks(p, layout.n_parts, smem), &args)?;
+    // dB, dC: a thread per 8 states of (batch, seqlen, group); dA, dD, ddt_bias: a thread per (head, p).
+    let vectors = (p.batch * p.seqlen * p.groups * p.dstate / 8).max(0) as u64;
+    let reduce_bc = LaunchConfig {
+        grid: (vectors.div_ceil(REDUCE_THREADS as u64).min(REDUCE_MAX_BLOCKS), 1, 1),
+        block: REDUCE_THREADS,
+        shared_bytes: 0,
+    };
+    launch(stream, BWD_MODULE, &format!("ssd_bwd_reduce_bc_{}", bwd.dtype.name()), reduce_bc, &args)?;
+    let per_channel = (p.heads * p.headdim).max(0) as u64;
+    let reduce_params = LaunchConfig {
+        grid: (per_channel.div_ceil(REDUCE_THREADS as u64), 1, 1),
+        block: REDUCE_THREADS,
+        shared_bytes: 0,
+    };
+    launch(stream, BWD_MODULE, "ssd_bwd_reduce_params", reduce_params, &args)
+}
