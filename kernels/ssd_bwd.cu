@@ -194,8 +194,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
             for (int q = 0; q < N / 16; ++q) {
                 uint32_t bb[4];
                 ldsm_x4_trans(bb, cs + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
-                O::mma(ds[2 * q], af, bb[0], bb[1]);
-                O::mma(ds[2 * q + 1], af, bb[2], bb[3]);
+                mma_pair<T>(ds[2 * q], ds[2 * q + 1], af, bb);
             }
         }
     };
@@ -252,8 +251,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                     for (int q = 0; q < N / 16; ++q) {
                         uint32_t bb[4];
                         ldsm_x4_trans(bb, bs + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
-                        O::mma(s[2 * q], af, bb[0], bb[1]);
-                        O::mma(s[2 * q + 1], af, bb[2], bb[3]);
+                        mma_pair<T>(s[2 * q], s[2 * q + 1], af, bb);
                     }
                 }
                 float4* slot = scratch_slot(j + 1);
@@ -317,15 +315,13 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                         if (pr < warp) continue;  // t >= s
                         uint32_t bb[4];
                         ldsm_x4(bb, cs + ((16 * pr + bn_rows) * PN + 16 * kk + bn_cols) * E);
-                        O::mma(p1[2 * pr], af, bb[0], bb[1]);
-                        O::mma(p1[2 * pr + 1], af, bb[2], bb[3]);
+                        mma_pair<T>(p1[2 * pr], p1[2 * pr + 1], af, bb);
                     }
 #pragma unroll
                     for (int pr = 0; pr < kP / 16; ++pr) {
                         uint32_t bb[4];
                         ldsm_x4(bb, dss + ((16 * pr + bn_rows) * PN + 16 * kk + bn_cols) * E);
-                        O::mma(dx[2 * pr], af, bb[0], bb[1]);
-                        O::mma(dx[2 * pr + 1], af, bb[2], bb[3]);
+                        mma_pair<T>(dx[2 * pr], dx[2 * pr + 1], af, bb);
                     }
                 }
                 // state_s = 2^(cum_last - cum_s) x_s . (dS B_s); then dx = w_s dS B_s.
@@ -361,8 +357,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                         if (pr < warp) continue;
                         uint32_t bb[4];
                         ldsm_x4(bb, dys + ((16 * pr + bn_rows) * PX + 16 * kk + bn_cols) * E);
-                        O::mma(g2[2 * pr], af, bb[0], bb[1]);
-                        O::mma(g2[2 * pr + 1], af, bb[2], bb[3]);
+                        mma_pair<T>(g2[2 * pr], g2[2 * pr + 1], af, bb);
                     }
                 }
                 // Mask and decay: a1 = P1 L dt_s (for dx), a2 = G2 L dt_s (for dB), V = P1 G2 L.
@@ -414,8 +409,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                     for (int q = 0; q < kP / 16; ++q) {
                         uint32_t bb[4];
                         ldsm_x4_trans(bb, dys + ((16 * pr + bt_rows) * PX + 16 * q + bt_cols) * E);
-                        O::mma(dx[2 * q], a1[pr], bb[0], bb[1]);
-                        O::mma(dx[2 * q + 1], a1[pr], bb[2], bb[3]);
+                        mma_pair<T>(dx[2 * q], dx[2 * q + 1], a1[pr], bb);
                     }
                 }
                 // dx += D dy; dD partials; store.
@@ -448,8 +442,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                     for (int q = 0; q < N / 16; ++q) {
                         uint32_t bb[4];
                         ldsm_x4_trans(bb, dss + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
-                        O::mma(db[2 * q], af, bb[0], bb[1]);
-                        O::mma(db[2 * q + 1], af, bb[2], bb[3]);
+                        mma_pair<T>(db[2 * q], db[2 * q + 1], af, bb);
                     }
                 }
 #pragma unroll
@@ -459,8 +452,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                     for (int q = 0; q < N / 16; ++q) {
                         uint32_t bb[4];
                         ldsm_x4_trans(bb, cs + ((16 * pr + bt_rows) * PN + 16 * q + bt_cols) * E);
-                        O::mma(db[2 * q], a2[pr], bb[0], bb[1]);
-                        O::mma(db[2 * q + 1], a2[pr], bb[2], bb[3]);
+                        mma_pair<T>(db[2 * q], db[2 * q + 1], a2[pr], bb);
                     }
                 }
 #pragma unroll
@@ -487,8 +479,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                     for (int q = 0; q < N / 16; ++q) {
                         uint32_t bb[4];
                         ldsm_x4_trans(bb, ss + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
-                        O::mma(dc[2 * q], af, bb[0], bb[1]);
-                        O::mma(dc[2 * q + 1], af, bb[2], bb[3]);
+                        mma_pair<T>(dc[2 * q], dc[2 * q + 1], af, bb);
                     }
                 }
                 float y_lo = 0.f, y_hi = 0.f;
@@ -517,8 +508,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                         if (pr > warp) break;
                         uint32_t bb[4];
                         ldsm_x4(bb, xs + ((16 * pr + bn_rows) * PX + 16 * kk + bn_cols) * E);
-                        O::mma(g2[2 * pr], af, bb[0], bb[1]);
-                        O::mma(g2[2 * pr + 1], af, bb[2], bb[3]);
+                        mma_pair<T>(g2[2 * pr], g2[2 * pr + 1], af, bb);
                     }
                 }
 #pragma unroll
@@ -539,8 +529,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                     for (int q = 0; q < N / 16; ++q) {
                         uint32_t bb[4];
                         ldsm_x4_trans(bb, bs + ((16 * pr + bt_rows) * PN + 16 * q + bt_cols) * E);
-                        O::mma(dc[2 * q], a3, bb[0], bb[1]);
-                        O::mma(dc[2 * q + 1], a3, bb[2], bb[3]);
+                        mma_pair<T>(dc[2 * q], dc[2 * q + 1], a3, bb);
                     }
                 }
 #pragma unroll

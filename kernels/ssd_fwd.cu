@@ -165,15 +165,13 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
                     if (pr > rb) break;  // causal: s <= t
                     uint32_t bb[4];
                     ldsm_x4(bb, b_lane + (16 * pr * PN + 16 * kk) * E);
-                    O::mma(gm[2 * pr], a, bb[0], bb[1]);
-                    O::mma(gm[2 * pr + 1], a, bb[2], bb[3]);
+                    mma_pair<T>(gm[2 * pr], gm[2 * pr + 1], a, bb);
                 }
 #pragma unroll
                 for (int pr = 0; pr < kP / 16; ++pr) {
                     uint32_t bb[4];
                     ldsm_x4(bb, s_lane + (16 * pr * PN + 16 * kk) * E);
-                    O::mma(y[2 * pr], a, bb[0], bb[1]);
-                    O::mma(y[2 * pr + 1], a, bb[2], bb[3]);
+                    mma_pair<T>(y[2 * pr], y[2 * pr + 1], a, bb);
                 }
             }
             const int t_lo = 16 * rb + lane / 4, t_hi = t_lo + 8;
@@ -216,8 +214,7 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
                 for (int pr = 0; pr < kP / 16; ++pr) {
                     uint32_t bb[4];
                     ldsm_x4_trans(bb, x_lane + (16 * kk * PX + 16 * pr) * E);
-                    O::mma(y[2 * pr], a, bb[0], bb[1]);
-                    O::mma(y[2 * pr + 1], a, bb[2], bb[3]);
+                    mma_pair<T>(y[2 * pr], y[2 * pr + 1], a, bb);
                 }
             }
             // y += D x, gate, store.
@@ -268,8 +265,7 @@ __device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_pe
             for (int pr = 0; pr < N / 16; ++pr) {
                 uint32_t bb[4];
                 ldsm_x4_trans(bb, bt_lane + (16 * kk * PN + 16 * pr) * E);
-                O::mma(s[2 * pr], a, bb[0], bb[1]);
-                O::mma(s[2 * pr + 1], a, bb[2], bb[3]);
+                mma_pair<T>(s[2 * pr], s[2 * pr + 1], a, bb);
             }
         }
         if (warp == 0 && tile + 1 < tile_end) {

@@ -36,6 +36,13 @@ template <> struct Ops<f16> {
     }
 };
 
+// lo += a * (bb[0], bb[1]); hi += a * (bb[2], bb[3]): the two n-tiles one x4 ldmatrix loads.
+template <typename T>
+__device__ __forceinline__ void mma_pair(float* lo, float* hi, const uint32_t a[4], const uint32_t bb[4]) {
+    Ops<T>::mma(lo, a, bb[0], bb[1]);
+    Ops<T>::mma(hi, a, bb[2], bb[3]);
+}
+
 template <typename T> __device__ __forceinline__ uint32_t pack_u32(float lo, float hi) {
     typename Ops<T>::T2 v = Ops<T>::pack2(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
