@@ -149,7 +149,10 @@ impl SsdCase {
     /// Whether the CUDA target runs this case on its tensor-core kernels (plan::mma_applies): their
     /// products take operands in the inputs' dtype, so the f32 states carry its rounding.
     pub fn tensor_cores(&self) -> bool {
-        self.dtype != Dt::F32 && self.headdim == 64 && matches!(self.dstate, 64 | 128) && self.chunk_size % 64 == 0
+        self.dtype != Dt::F32
+            && self.headdim == 64
+            && matches!(self.dstate, 64 | 128)
+            && self.chunk_size.is_multiple_of(64)
     }
 
     /// Tolerance of the forward's f32 states on CUDA.
