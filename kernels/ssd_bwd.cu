@@ -84,6 +84,22 @@ __device__ __forceinline__ float quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
+// Per row of a block of f32 accumulators (this thread's rows r_lo, r_hi; COLS columns), the dot with
+// the same rows of a T tile of pitch PITCH, summed over the quad that holds the row.
+template <typename T, int COLS, int PITCH>
+__device__ __forceinline__ float2 row_dots(const float (&acc)[COLS / 8][4], const T* tile, int r_lo, int r_hi) {
+    using T2 = typename Ops<T>::T2;
+    float lo = 0.f, hi = 0.f;
+#pragma unroll
+    for (int j = 0; j < COLS / 8; ++j) {
+        const int col = 8 * j + 2 * (threadIdx.x % 4);
+        const float2 vlo = Ops<T>::unpack2(*reinterpret_cast<const T2*>(&tile[r_lo * PITCH + col]));
+        const float2 vhi = Ops<T>::unpack2(*reinterpret_cast<const T2*>(&tile[r_hi * PITCH + col]));
+        lo += vlo.x * acc[j][0] + vlo.y * acc[j][1];
+        hi += vhi.x * acc[j][2] + vhi.y * acc[j][3];
+    }
+    return make_float2(quad_sum(lo), quad_sum(hi));
+}
 
 template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd_mma(const SsdBwdMmaParams& a) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -151,6 +167,14 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
     auto dt_of = [&](int t) {
         const float4 v = sm.sc.cd[t / 2];
         return t & 1 ? v.w : v.y;
+    };
+    // The saved state entering a chunk, into this thread's accumulator positions.
+    auto load_chunk_state = [&](float (&dst)[N / 8][4], int64_t chunk) {
+        for_state_pairs<N>(dst, [&](float* acc, int row, int col) {
+            const float2 v = *reinterpret_cast<const float2*>(p.chunk_states + ((bh * kP + row) * n_chunks + chunk) * N + col);
+            acc[0] = v.x;
+            acc[1] = v.y;
+        });
     };
     // Scratch slot of the state entering tile j (>= 1) of a chunk: each thread's accumulators as float4s.
     auto scratch_slot = [&](int64_t j) {
@@ -230,11 +254,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
         // Recompute the states entering tiles 1..tiles-1 of the chunk.
         if (tiles > 1) {
             float s[N / 8][4];
-            for_state_pairs<N>(s, [&](float* acc, int row, int col) {
-                const float2 v = *reinterpret_cast<const float2*>(p.chunk_states + ((bh * kP + row) * n_chunks + chunk) * N + col);
-                acc[0] = v.x;
-                acc[1] = v.y;
-            });
+            load_chunk_state(s, chunk);
             for (int64_t j = 0; j + 1 < tiles; ++j) {
                 load_tile(c0 + j * kQ, true, false);
                 const float decay = ex2_ftz(sm.sc.cd[kQ / 2 - 1].z);
@@ -268,12 +288,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
             {
                 float sv[N / 8][4];
                 if (j == 0) {
-                    for_state_pairs<N>(sv, [&](float* acc, int row, int col) {
-                        const float2 v = *reinterpret_cast<const float2*>(
-                            p.chunk_states + ((bh * kP + row) * n_chunks + chunk) * N + col);
-                        acc[0] = v.x;
-                        acc[1] = v.y;
-                    });
+                    load_chunk_state(sv, chunk);
                 } else {
                     const float4* slot = scratch_slot(j);
 #pragma unroll
@@ -325,18 +340,9 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                     }
                 }
                 // state_s = 2^(cum_last - cum_s) x_s . (dS B_s); then dx = w_s dS B_s.
-                float st_lo = 0.f, st_hi = 0.f;
-#pragma unroll
-                for (int jn = 0; jn < kP / 8; ++jn) {
-                    const int col = 8 * jn + 2 * (lane % 4);
-                    const float2 xlo = O::unpack2(*reinterpret_cast<const T2*>(&sm.x[r_lo * PX + col]));
-                    const float2 xhi = O::unpack2(*reinterpret_cast<const T2*>(&sm.x[r_hi * PX + col]));
-                    st_lo += xlo.x * dx[jn][0] + xlo.y * dx[jn][1];
-                    st_hi += xhi.x * dx[jn][2] + xhi.y * dx[jn][3];
-                }
+                const float2 xdot = row_dots<T, kP, PX>(dx, sm.x, r_lo, r_hi);
                 const float decay_lo = ex2_ftz(cum_last - cum_lo), decay_hi = ex2_ftz(cum_last - cum_hi);
-                st_lo = quad_sum(st_lo) * decay_lo;
-                st_hi = quad_sum(st_hi) * decay_hi;
+                const float st_lo = xdot.x * decay_lo, st_hi = xdot.y * decay_hi;
                 if (lane % 4 == 0) {
                     sm.state[r_lo] = st_lo;
                     sm.state[r_hi] = st_hi;
@@ -482,20 +488,10 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                         mma_pair<T>(dc[2 * q], dc[2 * q + 1], af, bb);
                     }
                 }
-                float y_lo = 0.f, y_hi = 0.f;
-#pragma unroll
-                for (int q = 0; q < N / 8; ++q) {
-                    const int col = 8 * q + 2 * (lane % 4);
-                    const float2 clo = O::unpack2(*reinterpret_cast<const T2*>(&sm.c[r_lo * PN + col]));
-                    const float2 chi = O::unpack2(*reinterpret_cast<const T2*>(&sm.c[r_hi * PN + col]));
-                    y_lo += clo.x * dc[q][0] + clo.y * dc[q][1];
-                    y_hi += chi.x * dc[q][2] + chi.y * dc[q][3];
-                }
-                y_lo = quad_sum(y_lo);
-                y_hi = quad_sum(y_hi);
+                const float2 cdot = row_dots<T, N, PN>(dc, sm.c, r_lo, r_hi);
                 if (lane % 4 == 0) {
-                    sm.y0[r_lo] = y_lo;
-                    sm.y0[r_hi] = y_hi;
+                    sm.y0[r_lo] = cdot.x;
+                    sm.y0[r_hi] = cdot.y;
                 }
                 // dy_t . x_s for s-tiles <= 2 warp + 1, masked and decayed: a3 = G2 L dt_s.
                 float g2[kQ / 8][4] = {};

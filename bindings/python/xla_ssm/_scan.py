@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _lib
+from ._fold import fold_vmap
 from ._selective_scan import _as_arrays, _check
 
 FWD = "xla_ssm_selective_scan_fwd"
@@ -267,31 +268,10 @@ def _vmap_rule(call: _Call, f, axis_size, in_batched, *ops):
     whose per-dim parameters are shared: a free reshape), else dim: the k examples become k*dim
     channels, each with its own copy of the parameters, so the backward's per-dim gradient sums stay
     per example (what vmap of a gradient means) and mapped parameters need no loop."""
-    lay, k = call.cfg.layout, axis_size
-    roles = _in_roles(call)
-    params_mapped = any(b for r, b in zip(roles, in_batched) if r not in _PER_EXAMPLE)
-    into_batch = call.kind == "fwd" and not params_mapped
-
-    def axis(role):
-        return 0 if into_batch else _dim_axis(role, lay)
-
-    folded = []
-    for role, x, b in zip(roles, ops, in_batched):
-        if into_batch and role not in _PER_EXAMPLE:
-            folded.append(x)  # a shared parameter stays as it is
-            continue
-        if not b:
-            x = jnp.broadcast_to(x, (k, *x.shape))
-        ax = axis(role)
-        x = jnp.moveaxis(x, 0, ax)
-        folded.append(x.reshape(*x.shape[:ax], k * x.shape[ax + 1], *x.shape[ax + 2 :]))
-    res = f(*folded)  # f again: an outer vmap folds its axis the same way
-    out = []
-    for role, y in zip(_out_roles(call), res):
-        ax = axis(role)
-        y = y.reshape(*y.shape[:ax], k, y.shape[ax] // k if k else 0, *y.shape[ax + 1 :])
-        out.append(jnp.moveaxis(y, ax, 0))
-    return tuple(out), (True,) * len(out)
+    axis_of = functools.partial(_dim_axis, layout=call.cfg.layout)
+    return fold_vmap(
+        f, axis_size, _in_roles(call), _out_roles(call), ops, in_batched, _PER_EXAMPLE, call.kind == "fwd", axis_of
+    )
 
 
 # ------------------------------------------------------------------------------ custom_vjp

@@ -21,6 +21,7 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 
 from . import _lib
+from ._fold import fold_vmap
 from ._scan import _ffi
 from ._selective_scan import _as_arrays, _name, _softplus
 
@@ -144,31 +145,10 @@ def _vmap_rule(call: _Call, f, axis_size, in_batched, *ops):
     gradient sums stay per example (what vmap of a gradient means) and mapped parameters need no
     loop. Head j of example i is head i*heads + j and reads group i*groups + j // (heads/groups):
     the groups fold the same way."""
-    k = axis_size
-    roles = _in_roles(call)
-    params_mapped = any(b for r, b in zip(roles, in_batched) if r not in _PER_EXAMPLE)
-    into_batch = call.kind == "fwd" and not params_mapped
-
-    def axis(role):
-        return 0 if into_batch else _HEAD_AXIS[role]
-
-    folded = []
-    for role, x, b in zip(roles, ops, in_batched):
-        if into_batch and role not in _PER_EXAMPLE:
-            folded.append(x)  # a shared parameter stays as it is
-            continue
-        if not b:
-            x = jnp.broadcast_to(x, (k, *x.shape))
-        ax = axis(role)
-        x = jnp.moveaxis(x, 0, ax)
-        folded.append(x.reshape(*x.shape[:ax], k * x.shape[ax + 1], *x.shape[ax + 2 :]))
-    res = f(*folded)  # f again: an outer vmap folds its axis the same way
-    out = []
-    for role, y in zip(_out_roles(call), res):
-        ax = axis(role)
-        y = y.reshape(*y.shape[:ax], k, y.shape[ax] // k if k else 0, *y.shape[ax + 1 :])
-        out.append(jnp.moveaxis(y, ax, 0))
-    return tuple(out), (True,) * len(out)
+    return fold_vmap(
+        f, axis_size, _in_roles(call), _out_roles(call), ops, in_batched, _PER_EXAMPLE, call.kind == "fwd",
+        _HEAD_AXIS.__getitem__,
+    )
 
 
 # ------------------------------------------------------------------------------ custom_vjp
