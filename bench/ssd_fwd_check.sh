@@ -16,6 +16,7 @@ if [ "$mode" != time ]; then
   run check 1 333 3 3 64 f16 64 2 1 0 0 1 0 3
   run check 2 1000 2 1 128 bf16 256 1 1 1 1 1 0 4
   run check 1 130 2 1 128 bf16 64 0 0 0 1 1 0 7
+  run check 3 100 3 1 128 bf16 64 1 1 1 1 1 0 2
   run check 1 5 2 1 64 f16 64 1 1 1 1 1 0 0
   run check 1 0 2 1 64 bf16 64 1 1 1 1 1 0 0
 fi

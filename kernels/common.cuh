@@ -23,6 +23,9 @@ template <> __device__ __forceinline__ f16 from_f32<f16>(float x) { return __flo
 __device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
+// Pulls the 128-byte line holding p into L2 (no register result: nothing waits on it). For loads a
+// block issues only when it needs them (single-buffered tiles), one tile ahead.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 __device__ __forceinline__ float ex2_ftz(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

@@ -110,7 +110,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
     const SsdParams& p = a.q.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int64_t bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads, g = h / (p.heads / p.groups);
-    const float A = p.A[h], a_log2 = A * kLog2e;
+    const float A = p.A[h], a_log2 = A * kLog2e, dt_bias = p.dt_bias ? p.dt_bias[h] : 0.f;
     const int64_t state_elems = int64_t(kP) * N;
     const int64_t n_chunks = ssd_chunk_count(p), tiles_per_chunk = p.chunk_size / kQ;
     const int64_t part = LOCAL ? blockIdx.y + 1 : blockIdx.y, bhs = p.batch * p.heads;
@@ -130,6 +130,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
     // Tile loads: x (and dy) rows of kP, B (and C) rows of N elements; zero past the end.
     const TileCopy<kP> xcopy;
     const TileCopy<N> bccopy;
+    float tile_dt_raw[2];  // warp 0: the raw dt of steps 2 lane (+1) of the tile last loaded
     auto load_tile = [&](int64_t t0, bool states, bool grads) {
         const T* x = static_cast<const T*>(p.x);
         const T* dy = static_cast<const T*>(a.q.dy);
@@ -153,12 +154,26 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
         }
         cp_async_commit();
         if (warp == 0) {
-            float raw[2];
-            load_dt<T>(p, b, h, t0, raw);
-            tile_scalars(sm.sc, p, h, a_log2, t0, raw);
+            load_dt<T>(p, b, h, t0, tile_dt_raw);
+            tile_scalars(sm.sc, p, h, a_log2, t0, tile_dt_raw);
         }
         asm volatile("cp.async.wait_group 0;" ::: "memory");
         __syncthreads();
+    };
+    // Loads are single-buffered (two blocks per SM leave no room for a second buffer): pull the tile
+    // the block loads next into L2 while it computes on this one. Each thread: rows of x, dy (one
+    // 128-byte line each), dt (one line) and B, C (N / 64 lines each).
+    auto prefetch_tile = [&](int64_t t0) {
+        if (t0 < 0 || t0 >= p.seqlen) return;
+        const int row = tid % kQ, which = tid / kQ;  // 128 threads: two per row
+        const int64_t t = t0 + row;
+        if (t >= p.seqlen) return;
+        const T* xrow = static_cast<const T*>(which ? a.q.dy : p.x) + ((b * p.seqlen + t) * p.heads + h) * kP;
+        const T* bcrow = static_cast<const T*>(which ? p.C : p.B) + ((b * p.seqlen + t) * p.groups + g) * N;
+        prefetch_l2(xrow);
+        if (!which) prefetch_l2(static_cast<const T*>(p.dt) + (b * p.seqlen + t) * p.heads + h);
+#pragma unroll
+        for (int k = 0; k < N * int(sizeof(T)) / 128; ++k) prefetch_l2(bcrow + k * 128 / sizeof(T));
     };
     auto cum_of = [&](int t) {
         const float4 v = sm.sc.cd[t / 2];
@@ -226,6 +241,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
         float decay_sum = 0.f;
         for (int64_t t0 = (min(chunk_end * p.chunk_size, p.seqlen) - 1) / kQ * kQ; t0 >= chunk_begin * p.chunk_size; t0 -= kQ) {
             load_tile(t0, false, true);
+            prefetch_tile(t0 - kQ);
             decay_sum += sm.sc.cd[kQ / 2 - 1].z;
             update_ds();
             __syncthreads();
@@ -257,6 +273,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
             load_chunk_state(s, chunk);
             for (int64_t j = 0; j + 1 < tiles; ++j) {
                 load_tile(c0 + j * kQ, true, false);
+                prefetch_tile(c0 + (j + 1) * kQ);  // the last one: the first of the walk back
                 const float decay = ex2_ftz(sm.sc.cd[kQ / 2 - 1].z);
 #pragma unroll
                 for (int n = 0; n < N / 8; ++n)
@@ -281,22 +298,27 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
             }
         }
 
+        // S entering tile j (f32, this thread's accumulator positions): issued a tile ahead, so that
+        // its latency passes while warp 0 finishes the tile before.
+        float sv[N / 8][4];
+        auto load_entering = [&](int64_t j) {
+            if (j == 0) {
+                load_chunk_state(sv, chunk);
+            } else {
+                const float4* slot = scratch_slot(j);
+#pragma unroll
+                for (int n = 0; n < N / 8; ++n) {
+                    const float4 v = slot[n * kThreads];
+                    sv[n][0] = v.x, sv[n][1] = v.y, sv[n][2] = v.z, sv[n][3] = v.w;
+                }
+            }
+        };
+        load_entering(tiles - 1);
         for (int64_t j = tiles - 1; j >= 0; --j) {
             const int64_t t0 = c0 + j * kQ;
-            // S entering the tile (f32, this thread's accumulator positions), and <dS, S>.
+            // <dS, S>, and both rounded to T into shared memory.
             float sds = 0.f;
             {
-                float sv[N / 8][4];
-                if (j == 0) {
-                    load_chunk_state(sv, chunk);
-                } else {
-                    const float4* slot = scratch_slot(j);
-#pragma unroll
-                    for (int n = 0; n < N / 8; ++n) {
-                        const float4 v = slot[n * kThreads];
-                        sv[n][0] = v.x, sv[n][1] = v.y, sv[n][2] = v.z, sv[n][3] = v.w;
-                    }
-                }
 #pragma unroll
                 for (int n = 0; n < N / 8; ++n)
 #pragma unroll
@@ -312,6 +334,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
             for (int o = 16; o > 0; o >>= 1) sds += __shfl_xor_sync(0xffffffffu, sds, o);
             if (lane == 0) sm.sds[warp] = sds;
             load_tile(t0, true, true);  // ends with __syncthreads: the writes above are visible too
+            prefetch_tile(j > 0 ? t0 - kQ : c0 - p.chunk_size);  // the walk's next tile, or the chunk before's first
 
             const float cum_last = sm.sc.cd[kQ / 2 - 1].z;
             const float cum_lo = cum_of(r_lo), cum_hi = cum_of(r_hi);
@@ -540,6 +563,8 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
             }
 
             update_ds();
+            // (Unconditional: a conditional load would keep this tile's S live through the body.)
+            load_entering(j > 0 ? j - 1 : 0);
             __syncthreads();
 
             // ---- Warp 0: the gradient of cum, then ddt and dA. Lane l owns steps 2l and 2l + 1.
@@ -578,20 +603,18 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                 }
                 const float r1 = suffix - pair + dcum[1], r0 = suffix;
                 const float rs[2] = {r0, r1};
-                const T* dt_in = static_cast<const T*>(p.dt);
                 T* ddt_out = static_cast<T*>(a.q.ddt);
-                const float bias = p.dt_bias ? p.dt_bias[h] : 0.f;
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int64_t t = t0 + 2 * lane + e;
                     if (t >= p.seqlen) continue;
                     const float ddt = direct[e] + A * rs[e];
                     da_acc += dts[e] * rs[e];
-                    // Through the clamp, softplus and bias to the raw dt.
+                    // Through the clamp, softplus and bias to the raw dt (kept from the tile's load).
                     const int64_t idx = (b * p.seqlen + t) * p.heads + h;
-                    const float v = to_f32(dt_in[idx]) + bias;
+                    const float v = tile_dt_raw[e] + dt_bias;
                     bool passes;
-                    ssd_dt(p, to_f32(dt_in[idx]), h, &passes);
+                    ssd_dt(p, tile_dt_raw[e], h, &passes);
                     float graw = passes ? ddt : 0.f;
                     if (p.dt_softplus) graw *= 1.f / (1.f + expf(-v));
                     ddt_out[idx] = from_f32<T>(graw);
