@@ -20,13 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
-from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _lib
 from ._fold import fold_vmap
 from ._selective_scan import _as_arrays, _check
+from ._shard import partitioned, shard_axes
 
 FWD = "xla_ssm_selective_scan_fwd"
 BWD = "xla_ssm_selective_scan_bwd"
@@ -155,37 +154,19 @@ def _raw(call: _Call, *ops):
 
 
 # ------------------------------------------------------------------------------- sharding
-def _axes(entry):
-    """A PartitionSpec entry as a tuple of mesh axis names (() when unsharded)."""
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
 def _shard_plan(call: _Call, mesh, arg_shapes):
-    """Which mesh axes shard batch, dim and B/C's groups, from u's sharding: the scan runs along
-    seqlen and dstate, so those are never sharded; batch and dim only when they divide evenly."""
-    cfg = call.cfg
+    """(batch, dim, groups) mesh axes from u's sharding; seqlen and dstate are never sharded."""
     u, A, B = arg_shapes[0], arg_shapes[2], arg_shapes[3]
-    batch, dim, _, _, groups = _sizes(cfg, u, A, B)
-    spec = tuple(u.sharding.spec) + (None,) * 3 if isinstance(u.sharding, NamedSharding) else (None,) * 3
-    size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
-    bax = _axes(spec[0])
-    dax = _axes(spec[_dim_axis("x", cfg.layout)])
-    if batch % size(bax):
-        bax = ()
-    if dim % size(dax) or (groups > 1 and groups % size(dax)):
-        dax = ()  # channel d reads group d // (dim // groups): a dim shard needs whole groups
-    gax = dax if groups > 1 else ()  # one group: every dim shard reads all of B/C
-    return bax, dax, gax
+    groups = _sizes(call.cfg, u, A, B)[4]
+    return shard_axes(mesh, u, _dim_axis("x", call.cfg.layout), groups)
 
 
-def _spec(role, layout, bax, dax, gax):
-    b, d, g = bax or None, dax or None, gax or None
+def _spec(call: _Call, role, plan):
+    b, d, g = (a or None for a in plan)
     if role == "x":
-        return P(b, d, None) if layout == "bdl" else P(b, None, d)
+        return P(b, d, None) if call.cfg.layout == "bdl" else P(b, None, d)
     if role == "bc4":
-        return P(b, g, None, None) if layout == "bdl" else P(b, None, g, None)
+        return P(b, g, None, None) if call.cfg.layout == "bdl" else P(b, None, g, None)
     if role in ("A", "bc2"):
         return P(d, None)
     if role == "vec":
@@ -195,35 +176,14 @@ def _spec(role, layout, bax, dax, gax):
     return P(b, d, None, None)  # ckpt
 
 
-def _shardings(call: _Call, mesh, arg_shapes):
-    bax, dax, gax = _shard_plan(call, mesh, arg_shapes)
-    lay = call.cfg.layout
-    ins = tuple(NamedSharding(mesh, _spec(r, lay, bax, dax, gax)) for r in _in_roles(call))
-    outs = tuple(NamedSharding(mesh, _spec(r, lay, bax, dax, gax)) for r in _out_roles(call))
-    return (bax, dax, gax), ins, outs
-
-
-def _infer(call, mesh, arg_shapes, result_shape):
-    return _shardings(call, mesh, arg_shapes)[2]
-
-
-def _partition(call, mesh, arg_shapes, result_shape):
-    (bax, dax, gax), ins, outs = _shardings(call, mesh, arg_shapes)
-
-    def lower(*ops):
-        res = _raw(call, *ops)
-        if call.kind == "fwd":
-            return res
-        # A gradient is a partial sum on each shard that shares its operand: per-dim parameters
-        # (A, D, delta_bias, time-invariant B/C) across batch shards, time-varying B/C (per batch
-        # element, summed over its group's channels) across dim shards when its groups are not split.
-        grads = []
-        for role, g in zip(_out_roles(call), res):
-            over = bax if role in ("A", "bc2", "vec") else dax if role == "bc4" and not gax else ()
-            grads.append(jax.lax.psum(g, over) if over else g)
-        return tuple(grads)
-
-    return mesh, lower, outs, ins
+def _psum_axes(call: _Call, role, plan):
+    """A gradient is a partial sum on each shard that shares its operand: per-dim parameters (A, D,
+    delta_bias, time-invariant B/C) across batch shards, time-varying B/C (per batch element, summed
+    over its group's channels) across dim shards when its groups are not split."""
+    bax, dax, gax = plan
+    if role in ("A", "bc2", "vec"):
+        return bax
+    return dax if role == "bc4" and not gax else ()
 
 
 _LETTERS = {
@@ -232,23 +192,12 @@ _LETTERS = {
 }  # fmt: skip
 
 
-def _sharding_rule(call, mesh, operand_types, result_types):
-    """Shardy's einsum-like rule: batch and dim pass through; seqlen, dstate and the checkpoint
-    axis must not be sharded."""
-
-    def letters(role):
-        return _LETTERS.get((role, call.cfg.layout)) or _LETTERS[role]
-
-    lhs = ", ".join(letters(r) for r in _in_roles(call))
-    rhs = ", ".join(letters(r) for r in _out_roles(call))
-    rule = f"{lhs} -> {rhs}"
-    return rule, {"need_replication_factors": tuple(f for f in "lnk" if f in rule.split())}
+def _factors(call: _Call, role, ndim):
+    return _LETTERS.get((role, call.cfg.layout)) or _LETTERS[role]
 
 
-_pcall = custom_partitioning(_raw, static_argnums=(0,))
-_pcall.def_partition(
-    partition=_partition, infer_sharding_from_operands=_infer, sharding_rule=_sharding_rule
-)
+# Batch and dim pass through; seqlen, dstate and the checkpoint axis must not be sharded.
+_pcall = partitioned(_raw, _in_roles, _out_roles, _shard_plan, _spec, _psum_axes, _factors, "lnk")
 
 
 # ----------------------------------------------------------------------------------- vmap

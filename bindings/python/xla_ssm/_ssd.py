@@ -6,7 +6,9 @@ Layers, outermost first:
   _ssd (custom_vjp)    forward saving chunk_states, backward through `xla_ssm_ssd_bwd`
   _vcall (custom_vmap) jax.vmap: folds the mapped axis into batch (a forward whose per-head
                        parameters are shared) or into heads (otherwise): never a sequential loop
+  _pcall (custom_partitioning)  sharded batch / heads stay sharded; gradients of shared operands psum
   _raw                 jax.ffi.ffi_call, with the CUDA workspace (not allocated on the CPU)
+The vmap and partitioning layers sit under the custom_vjp, so neither is ever differentiated.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
+from jax.sharding import PartitionSpec as P
 
 from . import _lib
 from ._fold import fold_vmap
 from ._scan import _ffi
 from ._selective_scan import _as_arrays, _name, _softplus
+from ._shard import partitioned, shard_axes
 
 FWD = "xla_ssm_ssd_fwd"
 BWD = "xla_ssm_ssd_bwd"
@@ -56,8 +60,8 @@ class _Call(NamedTuple):
     has_dfinal_states: bool = False
 
 
-# Roles of operands and results, which say how each is vmapped (its batch axis, and the axis that
-# runs over heads: over groups for B/C):
+# Roles of operands and results, which say how each is sharded and vmapped (its batch axis, and the
+# axis that runs over heads: over groups for B/C):
 #   x: (batch, seqlen, heads, headdim); dt: (batch, seqlen, heads); bc: (batch, seqlen, groups,
 #   dstate); param: (heads, ...); state: (batch, heads, headdim, dstate);
 #   chunk: (batch, heads, headdim, n_chunks, dstate).
@@ -105,7 +109,7 @@ def _attrs(call: _Call):
 
 
 def _raw(call: _Call, *ops):
-    """One FFI call on operands in ABI order."""
+    """One FFI call on whole (or, under partitioning, per-shard) operands in ABI order."""
     cfg = call.cfg
     x, B = ops[0], ops[3]
     batch, seqlen, heads, headdim = x.shape
@@ -126,10 +130,47 @@ def _raw(call: _Call, *ops):
     return _ffi(BWD, results, ws, ops, _attrs(call))
 
 
+# ------------------------------------------------------------------------------- sharding
+def _shard_plan(call: _Call, mesh, arg_shapes):
+    """(batch, heads, groups) mesh axes from x's sharding; seqlen, headdim, dstate and the chunks
+    are never sharded."""
+    return shard_axes(mesh, arg_shapes[0], _HEAD_AXIS["x"], arg_shapes[3].shape[2])
+
+
+def _spec(call: _Call, role, plan):
+    b, h, g = (a or None for a in plan)
+    return {
+        "x": P(b, None, h, None), "dt": P(b, None, h), "bc": P(b, None, g, None), "param": P(h),
+        "state": P(b, h, None, None), "chunk": P(b, h, None, None, None),
+    }[role]  # fmt: skip
+
+
+def _psum_axes(call: _Call, role, plan):
+    """A gradient is a partial sum on each shard that shares its operand: per-head parameters (A,
+    D, dt_bias) across batch shards, B/C (summed over its group's heads) across head shards when
+    its groups are not split."""
+    bax, hax, gax = plan
+    if role == "param":
+        return bax
+    return hax if role == "bc" and not gax else ()
+
+
+# param: A and dt_bias are (h), D is (h) or (h p).
+_LETTERS = {"x": "b l h p", "dt": "b l h", "bc": "b l g n", "param": "h p", "state": "b h p n", "chunk": "b h p k n"}
+
+
+def _factors(call: _Call, role, ndim):
+    return " ".join(_LETTERS[role].split()[:ndim])
+
+
+# Batch and heads (groups) pass through; seqlen, headdim, dstate and the chunk axis must not be sharded.
+_pcall = partitioned(_raw, _in_roles, _out_roles, _shard_plan, _spec, _psum_axes, _factors, "lpnk")
+
+
 # ----------------------------------------------------------------------------------- vmap
 @functools.lru_cache(maxsize=None)
 def _vcall_fn(call: _Call):
-    f = custom_vmap(lambda *ops: _raw(call, *ops))
+    f = custom_vmap(lambda *ops: _pcall(call, *ops))
     f.def_vmap(functools.partial(_vmap_rule, call, f))
     return f
 
@@ -281,7 +322,8 @@ def ssd(
     Returns y (like x), and with return_final_states=True also final_states (batch, heads,
     headdim, dstate) float32. Differentiable in every array argument (the forward saves the state
     entering each chunk, the backward recomputes within chunks), batchable with jax.vmap (A, D and
-    dt_bias may be mapped too), and jittable.
+    dt_bias may be mapped too), and under jax.jit with inputs sharded over batch and/or heads it
+    runs on the shards without gathering them (docs/ssd.md, "Sharding").
     """
     x, dt, A, B, C, D, z, dt_bias, initial_states = _as_arrays(x, dt, A, B, C, D, z, dt_bias, initial_states)
     d_rank, dt_min, dt_max = _check(
