@@ -21,10 +21,11 @@ namespace ssd_mma {
 // Workspace views of a backward launch (mirror of `BwdMmaParams` in src/ops/ssd/cuda_mma.rs).
 struct SsdBwdMmaParams {
     SsdBwdParams q;
-    // (batch, seqlen, heads, dstate) per-head dB and dC, in bf16: half the traffic of f32 (these
-    // partials were a fifth of the backward's time), with f32's range; summed in f32.
-    bf16* db_part;
-    bf16* dc_part;
+    // (batch, seqlen, heads, dstate) per-head dB and dC in the inputs' type T: half the traffic of
+    // f32 (these partials were a fifth of the backward's time), T's precision; summed in f32. (bf16
+    // partials for f16 inputs lost f16's precision in dB and dC.)
+    void* db_part;
+    void* dc_part;
     float* scratch;     // (n_parts, batch * heads, tiles per chunk - 1, kP * dstate): recomputed states
     float* da_part;     // (n_parts, batch, heads)
     float* dbias_part;  // (n_parts, batch, heads)
@@ -488,10 +489,10 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                 for (int half = 0; half < 2; ++half) {
                     const int64_t t = t0 + (half ? r_hi : r_lo);
                     if (t >= p.seqlen) continue;
-                    bf16* dst = a.db_part + ((b * p.seqlen + t) * p.heads + h) * N + 2 * (lane % 4);
+                    T* dst = static_cast<T*>(a.db_part) + ((b * p.seqlen + t) * p.heads + h) * N + 2 * (lane % 4);
 #pragma unroll
                     for (int q = 0; q < N / 8; ++q)
-                        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * q) = __floats2bfloat162_rn(db[q][2 * half], db[q][2 * half + 1]);
+                        *reinterpret_cast<T2*>(dst + 8 * q) = O::pack2(db[q][2 * half], db[q][2 * half + 1]);
                 }
             }
 
@@ -555,10 +556,10 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                 for (int half = 0; half < 2; ++half) {
                     const int64_t t = t0 + (half ? r_hi : r_lo);
                     if (t >= p.seqlen) continue;
-                    bf16* dst = a.dc_part + ((b * p.seqlen + t) * p.heads + h) * N + 2 * (lane % 4);
+                    T* dst = static_cast<T*>(a.dc_part) + ((b * p.seqlen + t) * p.heads + h) * N + 2 * (lane % 4);
 #pragma unroll
                     for (int q = 0; q < N / 8; ++q)
-                        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * q) = __floats2bfloat162_rn(dc[q][2 * half], dc[q][2 * half + 1]);
+                        *reinterpret_cast<T2*>(dst + 8 * q) = O::pack2(dc[q][2 * half], dc[q][2 * half + 1]);
                 }
             }
 
@@ -672,6 +673,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
 // groups) x 8-state vectors: 16-byte loads, 4 heads in flight); then dA, ddt_bias, dD over the batch
 // (one thread per (head, p)).
 template <typename T> __device__ __forceinline__ void reduce_bc(const SsdBwdMmaParams& a) {
+    using T2 = typename Ops<T>::T2;
     const SsdParams& p = a.q.fwd;
     constexpr int V = 8;  // states per thread (dstate is 64 or 128)
     const int64_t vecs = p.dstate / V, total = p.batch * p.seqlen * p.groups * vecs, per_group = p.heads / p.groups;
@@ -683,13 +685,13 @@ template <typename T> __device__ __forceinline__ void reduce_bc(const SsdBwdMmaP
         float sb[V] = {}, sc[V] = {};
 #pragma unroll 4
         for (int64_t k = 0; k < per_group; ++k) {
-            const uint4 rb = *reinterpret_cast<const uint4*>(a.db_part + base + k * p.dstate);
-            const uint4 rc = *reinterpret_cast<const uint4*>(a.dc_part + base + k * p.dstate);
-            const __nv_bfloat162* eb = reinterpret_cast<const __nv_bfloat162*>(&rb);
-            const __nv_bfloat162* ec = reinterpret_cast<const __nv_bfloat162*>(&rc);
+            const uint4 rb = *reinterpret_cast<const uint4*>(static_cast<const T*>(a.db_part) + base + k * p.dstate);
+            const uint4 rc = *reinterpret_cast<const uint4*>(static_cast<const T*>(a.dc_part) + base + k * p.dstate);
+            const T2* eb = reinterpret_cast<const T2*>(&rb);
+            const T2* ec = reinterpret_cast<const T2*>(&rc);
 #pragma unroll
             for (int e = 0; e < V / 2; ++e) {
-                const float2 fb = __bfloat1622float2(eb[e]), fc = __bfloat1622float2(ec[e]);
+                const float2 fb = Ops<T>::unpack2(eb[e]), fc = Ops<T>::unpack2(ec[e]);
                 sb[2 * e] += fb.x, sb[2 * e + 1] += fb.y;
                 sc[2 * e] += fc.x, sc[2 * e + 1] += fc.y;
             }

@@ -184,7 +184,7 @@ pub struct MmaBwdLayout {
     /// Parts of whole chunks (one wave of blocks), `chunks_per_part` chunks each.
     pub n_parts: i64,
     pub chunks_per_part: i64,
-    /// (batch, seqlen, heads, dstate) bf16 each: per-head dB and dC.
+    /// (batch, seqlen, heads, dstate) each, in the inputs' (2-byte) type: per-head dB and dC.
     pub db_part: i64,
     pub dc_part: i64,
     /// (n_parts, batch * heads, tiles per chunk - 1, headdim * dstate) f32: recomputed tile states.
