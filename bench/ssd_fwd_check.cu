@@ -57,11 +57,10 @@ template <typename T, int N> struct Kern {
         const int64_t tpp = std::max<int64_t>(1, (n_tiles + parts - 1) / parts);
         parts = std::max<int64_t>(1, (n_tiles + tpp - 1) / tpp);
         const int smem = sizeof(ssd_mma::Smem<T, N>);
-        auto main_k = std::is_same<T, bf16>::value ? (N == 64 ? ssd_fwd_mma_bf16_n64 : ssd_fwd_mma_bf16_n128)
-                                                   : (N == 64 ? ssd_fwd_mma_f16_n64 : ssd_fwd_mma_f16_n128);
-        auto local_k = std::is_same<T, bf16>::value
-                           ? (N == 64 ? ssd_fwd_mma_local_bf16_n64 : ssd_fwd_mma_local_bf16_n128)
-                           : (N == 64 ? ssd_fwd_mma_local_f16_n64 : ssd_fwd_mma_local_f16_n128);
+#define SSD_PICK(NAME) (std::is_same<T, bf16>::value ? (N == 64 ? NAME##_bf16_n64 : NAME##_bf16_n128) \
+                                                    : (N == 64 ? NAME##_f16_n64 : NAME##_f16_n128))
+        auto main_k = p.z ? SSD_PICK(ssd_fwd_mma_gated) : SSD_PICK(ssd_fwd_mma);  // the launcher's choice
+        auto local_k = SSD_PICK(ssd_fwd_mma_local);
         CK(cudaFuncSetAttribute(main_k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         CK(cudaFuncSetAttribute(local_k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         const SsdMmaParams a = {p, tpp, parts};

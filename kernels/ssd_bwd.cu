@@ -1,5 +1,6 @@
 // Mamba-2 SSD backward on tensor cores (docs/ssd.md): bf16 / f16, headdim 64, dstate 64 or 128,
-// chunk_size a multiple of 64, no z. src/ops/ssd/cuda.rs takes it where it applies.
+// chunk_size a multiple of 64. src/ops/ssd/cuda.rs takes it where it applies. The main kernel has no
+// z: with z, gate_grad turns dy into the gradient of y before the gate first.
 //
 // One block of 4 warps walks one (batch, head) backwards through the sequence, the gradient dS of the
 // state leaving the current 64-step tile in mma accumulators (warp w: rows p = 16w..). Per chunk, the
@@ -705,6 +706,27 @@ template <typename T> __device__ __forceinline__ void reduce_bc(const SsdBwdMmaP
     }
 }
 
+// With z: y = y_pre silu(z). Before the ungated backward runs with dy silu(z) as its dy: dz =
+// dy y_pre silu'(z), y_pre recomputed by the forward kernel into db_part (the backward kernel
+// overwrites it later), dy silu(z) into dx (the backward kernel reads each tile's dy before it
+// writes that tile's dx). Two elements per thread, grid-stride.
+template <typename T> __device__ __forceinline__ void gate_grad(const SsdBwdMmaParams& a) {
+    using T2 = typename Ops<T>::T2;
+    const SsdParams& p = a.q.fwd;
+    const int64_t pairs = p.batch * p.seqlen * p.heads * kP / 2;
+    const T2* z = static_cast<const T2*>(p.z);
+    const T2* dy = static_cast<const T2*>(a.q.dy);
+    const T2* y_pre = static_cast<const T2*>(a.db_part);
+    T2* dz = static_cast<T2*>(a.q.dz);
+    T2* dy_gated = static_cast<T2*>(a.q.dx);
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
+        const float2 zv = Ops<T>::unpack2(z[i]), g = Ops<T>::unpack2(dy[i]), y = Ops<T>::unpack2(y_pre[i]);
+        const float s0 = 1.f / (1.f + expf(-zv.x)), s1 = 1.f / (1.f + expf(-zv.y));
+        dz[i] = Ops<T>::pack2(g.x * y.x * s0 * (1.f + zv.x * (1.f - s0)), g.y * y.y * s1 * (1.f + zv.y * (1.f - s1)));
+        dy_gated[i] = Ops<T>::pack2(g.x * zv.x * s0, g.y * zv.y * s1);
+    }
+}
+
 __device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
     const SsdParams& p = a.q.fwd;
     const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;  // (head, p)
@@ -737,7 +759,8 @@ __device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
 
 // extern "C" entry points: ssd_bwd_mma[_local]_<T>_n<N> (grid (batch * heads, n_parts [- 1]),
 // kThreads threads, sizeof(BwdSmem<T, N>) bytes of dynamic shared memory), ssd_bwd_reduce_bc_<T>
-// (grid-stride over (batch, seqlen, groups, dstate / 8)), ssd_bwd_reduce_params (a thread per (head, p)).
+// (grid-stride over (batch, seqlen, groups, dstate / 8)), ssd_bwd_reduce_params (a thread per (head, p)),
+// ssd_bwd_gate_grad_<T> (grid-stride over element pairs; before the main kernel, with z).
 #define SSD_BWD_MMA(T, N)                                                                          \
     extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                             \
         ssd_bwd_mma_##T##_n##N(const ssd_mma::SsdBwdMmaParams a) {                                 \
@@ -754,6 +777,9 @@ SSD_BWD_MMA(f16, 128)
 #define SSD_BWD_REDUCE(T)                                                                           \
     extern "C" __global__ void ssd_bwd_reduce_bc_##T(const ssd_mma::SsdBwdMmaParams a) {           \
         ssd_mma::reduce_bc<T>(a);                                                          \
+    }                                                                                               \
+    extern "C" __global__ void ssd_bwd_gate_grad_##T(const ssd_mma::SsdBwdMmaParams a) {           \
+        ssd_mma::gate_grad<T>(a);                                                          \
     }
 SSD_BWD_REDUCE(bf16)
 SSD_BWD_REDUCE(f16)

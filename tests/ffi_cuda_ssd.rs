@@ -203,9 +203,10 @@ fn large_shapes() {
     roundtrip_all("large", &cases);
 }
 
-/// The tensor-core kernels (bf16/f16, headdim 64, dstate 64 or 128, chunks of whole 64-step tiles;
-/// the backward without z): odd lengths, groups, both forms of D, the clamp, and the sequence splits
-/// of both passes (few batch x heads: up to one part per 64-step tile forward, per chunk backward).
+/// The tensor-core kernels (bf16/f16, headdim 64, dstate 64 or 128, chunks of whole 64-step tiles):
+/// odd lengths, groups, both forms of D, the clamp, z (the backward recomputes y before the gate,
+/// split as far as its records fit), and the sequence splits of both passes (few batch x heads: up
+/// to one part per 64-step tile forward, per chunk backward).
 #[test]
 fn tensor_core_paths() {
     if !gpu() {
@@ -220,6 +221,7 @@ fn tensor_core_paths() {
         (1, 1000, 3, 128, 3, 256, Dt::F16, DForm::PerHead, false, true),
         (3, 130, 4, 128, 4, 64, Dt::BF16, DForm::PerHead, true, false),
         (2, 64, 8, 64, 2, 64, Dt::BF16, DForm::PerChannel, false, false),
+        (1, 700, 2, 64, 1, 128, Dt::F16, DForm::PerChannel, true, true),
     ]
     .iter()
     .enumerate()

@@ -1,6 +1,6 @@
 //! The CUDA target. [`fwd`] and [`bwd`] pick a path: the tensor-core kernels ([`super::cuda_mma`])
-//! where they apply (bf16/f16, headdim 64, dstate 64 or 128, chunks of whole 64-step tiles; the
-//! backward also without z), else the generic one: expand the per-head operands to channels
+//! where they apply (bf16/f16, headdim 64, dstate 64 or 128, chunks of whole 64-step tiles), else
+//! the generic one: expand the per-head operands to channels
 //! (kernels/ssd_glue.cu), run the selective scan's CUDA kernels, and (backward) sum its per-channel
 //! gradients back to heads. Scratch comes from the workspace result ([`super::plan`]).
 
@@ -52,19 +52,19 @@ pub(super) fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
         ));
     }
     let base = workspace_at("ssd_fwd", p, plan::fwd_workspace_bytes(&shape), "xla_ssm_ssd_fwd_workspace_bytes")?;
-    cuda_mma::fwd(ssd, &shape, base, stream)
+    cuda_mma::fwd(ssd, &shape, base, plan::fwd_workspace_bytes(&shape), stream)
 }
 
 /// The backward on `stream`.
 pub(super) fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
     let p = &bwd.params.fwd;
     let shape = shape(p, bwd.dtype);
-    if !plan::mma_applies(&shape) || bwd.present.z {
+    if !plan::mma_applies(&shape) {
         return generic_bwd(bwd, stream);
     }
     if !cuda_mma::bwd_aligned(&bwd.params) {
         return Err(Error::invalid(
-            "ssd_bwd: the CUDA target takes x, B, C and dy 16-byte aligned, z, y and dx 4-byte aligned, the \
+            "ssd_bwd: the CUDA target takes x, B, C and dy 16-byte aligned, z, y, dx and dz 4-byte aligned, the \
              states 8-byte aligned (XLA's buffers always are)",
         ));
     }

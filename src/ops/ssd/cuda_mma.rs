@@ -1,12 +1,13 @@
 //! The tensor-core kernels (kernels/ssd_fwd.cu, kernels/ssd_bwd.cu), for the calls
-//! [`plan::mma_applies`] admits (the backward also needs z absent): a block of 4 warps per (batch,
+//! [`plan::mma_applies`] admits: a block of 4 warps per (batch,
 //! head) and part of the sequence, the state (forward) or its gradient (backward) in mma
 //! accumulators. With several parts, a first launch records what each part passes on (forward: its
 //! end state and decay; backward: the gradient entering it), and the second starts every part from the
-//! records of the parts before (after) it.
+//! records of the parts before (after) it. The backward's main kernel has no gate: with z, the forward
+//! kernel first recomputes y before the gate and a small kernel turns dy into its gradient (and dz).
 
 use super::plan::{self, Shape, MMA_TILE};
-use super::{Ssd, SsdBwd, SsdBwdParams, SsdParams};
+use super::{Present, Ssd, SsdBwd, SsdBwdParams, SsdParams};
 use crate::cuda::{launch, LaunchConfig};
 use crate::error::Result;
 use std::ffi::c_void;
@@ -73,6 +74,7 @@ pub(super) fn bwd_aligned(q: &SsdBwdParams) -> bool {
     aligned(&q.fwd)
         && at(q.dy, 16)
         && at(q.dx, 4)
+        && at(q.dz, 4)
         && at(q.dfinal_states as *const c_void, 8)
         && at(q.dinitial_states as *const c_void, 8)
 }
@@ -81,14 +83,23 @@ fn blocks(p: &SsdParams, parts: i64, shared_bytes: u32) -> LaunchConfig {
     LaunchConfig { grid: ((p.batch * p.heads) as u64, parts as u64, 1), block: THREADS, shared_bytes }
 }
 
-/// The forward; `workspace` is the workspace's aligned start (null when no split is planned).
-pub(super) fn fwd(ssd: &Ssd, shape: &Shape, workspace: *mut u8, stream: *mut c_void) -> Result<()> {
+/// The forward; `workspace` is the workspace's aligned start, `workspace_bytes` long: the split takes
+/// as many parts as its records fit there (none when null).
+pub(super) fn fwd(
+    ssd: &Ssd,
+    shape: &Shape,
+    workspace: *mut u8,
+    workspace_bytes: i64,
+    stream: *mut c_void,
+) -> Result<()> {
     let p = &ssd.params;
     if p.batch * p.heads == 0 {
         return Ok(());
     }
     let n_tiles = (p.seqlen + MMA_TILE - 1) / MMA_TILE;
-    let planned = if workspace.is_null() { 1 } else { plan::mma_split_parts(shape) };
+    let record_bytes = p.batch * p.heads * (p.headdim * p.dstate + 1) * 4;
+    let fitting = if workspace.is_null() { 1 } else { 1 + workspace_bytes / record_bytes };
+    let planned = plan::mma_split_parts(shape).min(fitting);
     let tiles_per_part = ((n_tiles + planned - 1) / planned).max(1);
     let n_parts = ((n_tiles + tiles_per_part - 1) / tiles_per_part).max(1);
     let args = FwdMmaParams { p: SsdParams { workspace: workspace as *mut c_void, ..*p }, tiles_per_part, n_parts };
@@ -97,18 +108,18 @@ pub(super) fn fwd(ssd: &Ssd, shape: &Shape, workspace: *mut u8, stream: *mut c_v
     if n_parts > 1 {
         launch(stream, FWD_MODULE, &format!("ssd_fwd_mma_local_{types}"), blocks(p, n_parts - 1, smem), &args)?;
     }
-    launch(stream, FWD_MODULE, &format!("ssd_fwd_mma_{types}"), blocks(p, n_parts, smem), &args)
+    // With z, a kernel of its own (kernels/ssd_fwd.cu: the gate's code slowed the ungated one).
+    let main = if p.z.is_null() { "ssd_fwd_mma" } else { "ssd_fwd_mma_gated" };
+    launch(stream, FWD_MODULE, &format!("{main}_{types}"), blocks(p, n_parts, smem), &args)
 }
 
 /// The backward, its scratch at `workspace` (the aligned start of at least
 /// `plan::mma_bwd_layout(shape).bytes`).
 pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut c_void) -> Result<()> {
-    let q = &bwd.params;
-    let p = &q.fwd;
     let layout = plan::mma_bwd_layout(shape);
     let at = |offset: i64| workspace.wrapping_add(offset as usize);
-    let args = BwdMmaParams {
-        q: *q,
+    let mut args = BwdMmaParams {
+        q: bwd.params,
         db_part: at(layout.db_part) as *mut c_void,
         dc_part: at(layout.dc_part) as *mut c_void,
         scratch: at(layout.scratch) as *mut f32,
@@ -119,6 +130,33 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
         chunks_per_part: layout.chunks_per_part,
         n_parts: layout.n_parts,
     };
+    let q = &bwd.params;
+    let p = &q.fwd;
+    if bwd.present.z {
+        // y before the gate, into db_part (as large: dstate >= headdim; free until the main kernel),
+        // by the forward kernel, its split's records in dc_part (split less where they do not fit)...
+        let y_pre = SsdParams {
+            z: std::ptr::null(),
+            y: args.db_part,
+            final_states: std::ptr::null_mut(),
+            chunk_states: std::ptr::null_mut(),
+            workspace: std::ptr::null_mut(),
+            workspace_bytes: 0,
+            ..*p
+        };
+        let present = Present { z: false, ..bwd.present };
+        let ssd = Ssd { params: y_pre, dtype: bwd.dtype, present, save_chunk_states: false };
+        fwd(&ssd, shape, args.dc_part as *mut u8, layout.part_bytes, stream)?;
+        // ...then dz, and the gradient of y before the gate into dx, which the ungated kernels take as dy.
+        let pairs = (p.batch * p.seqlen * p.heads * p.headdim / 2).max(0) as u64;
+        let config = LaunchConfig {
+            grid: (pairs.div_ceil(REDUCE_THREADS as u64).min(REDUCE_MAX_BLOCKS), 1, 1),
+            block: REDUCE_THREADS,
+            shared_bytes: 0,
+        };
+        launch(stream, BWD_MODULE, &format!("ssd_bwd_gate_grad_{}", bwd.dtype.name()), config, &args)?;
+        args.q = SsdBwdParams { dy: q.dx, fwd: SsdParams { z: std::ptr::null(), ..*p }, ..*q };
+    }
     let types = format!("{}_n{}", bwd.dtype.name(), p.dstate);
     let smem = bwd_shared_bytes(p.dstate);
     if layout.n_parts > 1 {

@@ -187,6 +187,8 @@ pub struct MmaBwdLayout {
     /// (batch, seqlen, heads, dstate) each, in the inputs' (2-byte) type: per-head dB and dC.
     pub db_part: i64,
     pub dc_part: i64,
+    /// Bytes of each of them.
+    pub part_bytes: i64,
     /// (n_parts, batch * heads, tiles per chunk - 1, headdim * dstate) f32: recomputed tile states.
     pub scratch: i64,
     /// (n_parts, batch, heads) f32 each, and (n_parts, batch, heads, headdim) f32.
@@ -206,8 +208,9 @@ pub fn mma_bwd_layout(s: &Shape) -> MmaBwdLayout {
     let n_parts = ((n_chunks + chunks_per_part - 1) / chunks_per_part).max(1);
     let state = s.headdim * s.dstate;
     let mut c = Carver::default();
-    let db_part = c.take(s.batch * s.seqlen * s.heads * s.dstate * 2);
-    let dc_part = c.take(s.batch * s.seqlen * s.heads * s.dstate * 2);
+    let part_bytes = s.batch * s.seqlen * s.heads * s.dstate * 2;
+    let db_part = c.take(part_bytes);
+    let dc_part = c.take(part_bytes);
     let scratch = c.take(n_parts * bh * (s.chunk_size / MMA_TILE - 1) * state * 4);
     let da_part = c.take(n_parts * bh * 4);
     let dbias_part = c.take(n_parts * bh * 4);
@@ -218,6 +221,7 @@ pub fn mma_bwd_layout(s: &Shape) -> MmaBwdLayout {
         chunks_per_part,
         db_part,
         dc_part,
+        part_bytes,
         scratch,
         da_part,
         dbias_part,
