@@ -128,6 +128,34 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
     const uint32_t xs = smem_addr(sm.x), dys = smem_addr(sm.dy), bs = smem_addr(sm.b), cs = smem_addr(sm.c);
     const uint32_t ss = smem_addr(sm.s), dss = smem_addr(sm.ds);
     const int r_lo = 16 * warp + lane / 4, r_hi = r_lo + 8;  // this thread's accumulator rows
+    // acc += (rows o (lo, hi)) state over k = p, rows t or s = 16 warp..: rows a (kQ x kP) tile, its
+    // two rows per thread scaled; state a (kP x N) tile.
+    auto add_rows_times_state = [&](float (&acc)[N / 8][4], uint32_t rows, float lo, float hi, uint32_t state) {
+#pragma unroll
+        for (int kk = 0; kk < kP / 16; ++kk) {
+            uint32_t af[4];
+            ldsm_x4(af, rows + ((16 * warp + a_rows) * PX + 16 * kk + a_cols) * E);
+            scale_a_rows<T>(af, lo, hi);
+#pragma unroll
+            for (int q = 0; q < N / 16; ++q) {
+                uint32_t bb[4];
+                ldsm_x4_trans(bb, state + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
+                mma_pair<T>(acc[2 * q], acc[2 * q + 1], af, bb);
+            }
+        }
+    };
+    // A tile's per-head dB or dC (rows r_lo, r_hi of acc) into its partials (batch, seqlen, heads, N).
+    auto store_partial = [&](const float (&acc)[N / 8][4], void* part, int64_t t0) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int64_t t = t0 + (half ? r_hi : r_lo);
+            if (t >= p.seqlen) continue;
+            T* dst = static_cast<T*>(part) + ((b * p.seqlen + t) * p.heads + h) * N + 2 * (lane % 4);
+#pragma unroll
+            for (int q = 0; q < N / 8; ++q)
+                *reinterpret_cast<T2*>(dst + 8 * q) = O::pack2(acc[q][2 * half], acc[q][2 * half + 1]);
+        }
+    };
 
     // Tile loads: x (and dy) rows of kP, B (and C) rows of N elements; zero past the end.
     const TileCopy<kP> xcopy;
@@ -217,28 +245,29 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
             acc[1] = fmaf(decay, acc[1], v.y);
         });
     }
-    // dS <- 2^cum_last dS + (2^cum o dy)^T C, rows p = 16 warp.. (the tile's dy, C and scalars loaded).
-    auto update_ds = [&]() {
+    // acc <- 2^cum_last acc + (f o steps)^T cols over the tile's steps, rows p = 16 warp..: steps
+    // (kQ x kP) and cols (kQ x N) are tiles, f the per-step factors as pairs (steps 2i, 2i + 1).
+    auto decay_add_product = [&](float (&acc)[N / 8][4], uint32_t steps, const float2* f, uint32_t cols) {
         const float decay = ex2_ftz(sm.sc.cd[kQ / 2 - 1].z);
 #pragma unroll
         for (int n = 0; n < N / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) ds[n][e] *= decay;
+            for (int e = 0; e < 4; ++e) acc[n][e] *= decay;
 #pragma unroll
         for (int kk = 0; kk < kQ / 16; ++kk) {
             uint32_t af[4];
-            ldsm_x4_trans(af, dys + ((16 * kk + at_rows) * PX + 16 * warp + at_cols) * E);
-            const int k0 = 16 * kk + 2 * (lane % 4);
-            scale_a_cols<T>(af, make_float2(sm.sc.ecum[k0], sm.sc.ecum[k0 + 1]),
-                            make_float2(sm.sc.ecum[k0 + 8], sm.sc.ecum[k0 + 9]));
+            ldsm_x4_trans(af, steps + ((16 * kk + at_rows) * PX + 16 * warp + at_cols) * E);
+            scale_a_cols<T>(af, f[8 * kk + lane % 4], f[8 * kk + 4 + lane % 4]);
 #pragma unroll
             for (int q = 0; q < N / 16; ++q) {
                 uint32_t bb[4];
-                ldsm_x4_trans(bb, cs + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
-                mma_pair<T>(ds[2 * q], ds[2 * q + 1], af, bb);
+                ldsm_x4_trans(bb, cols + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
+                mma_pair<T>(acc[2 * q], acc[2 * q + 1], af, bb);
             }
         }
     };
+    // dS <- 2^cum_last dS + (2^cum o dy)^T C (the tile's dy, C and scalars loaded).
+    auto update_ds = [&]() { decay_add_product(ds, dys, reinterpret_cast<const float2*>(sm.sc.ecum), cs); };
     if (LOCAL) {
         float decay_sum = 0.f;
         for (int64_t t0 = (min(chunk_end * p.chunk_size, p.seqlen) - 1) / kQ * kQ; t0 >= chunk_begin * p.chunk_size; t0 -= kQ) {
@@ -276,23 +305,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
             for (int64_t j = 0; j + 1 < tiles; ++j) {
                 load_tile(c0 + j * kQ, true, false);
                 prefetch_tile(c0 + (j + 1) * kQ);  // the last one: the first of the walk back
-                const float decay = ex2_ftz(sm.sc.cd[kQ / 2 - 1].z);
-#pragma unroll
-                for (int n = 0; n < N / 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s[n][e] *= decay;
-#pragma unroll
-                for (int kk = 0; kk < kQ / 16; ++kk) {
-                    uint32_t af[4];
-                    ldsm_x4_trans(af, xs + ((16 * kk + at_rows) * PX + 16 * warp + at_cols) * E);
-                    scale_a_cols<T>(af, sm.sc.w[8 * kk + lane % 4], sm.sc.w[8 * kk + 4 + lane % 4]);
-#pragma unroll
-                    for (int q = 0; q < N / 16; ++q) {
-                        uint32_t bb[4];
-                        ldsm_x4_trans(bb, bs + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
-                        mma_pair<T>(s[2 * q], s[2 * q + 1], af, bb);
-                    }
-                }
+                decay_add_product(s, xs, sm.sc.w, bs);  // S <- 2^cum_last S + (w o x)^T B
                 float4* slot = scratch_slot(j + 1);
 #pragma unroll
                 for (int n = 0; n < N / 8; ++n) slot[n * kThreads] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
@@ -464,18 +477,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                 }
                 // dB = w_s x_s^T dS + a2 C.
                 float db[N / 8][4] = {};
-#pragma unroll
-                for (int kk = 0; kk < kP / 16; ++kk) {
-                    uint32_t af[4];
-                    ldsm_x4(af, xs + ((16 * warp + a_rows) * PX + 16 * kk + a_cols) * E);
-                    scale_a_rows<T>(af, w_lo, w_hi);
-#pragma unroll
-                    for (int q = 0; q < N / 16; ++q) {
-                        uint32_t bb[4];
-                        ldsm_x4_trans(bb, dss + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
-                        mma_pair<T>(db[2 * q], db[2 * q + 1], af, bb);
-                    }
-                }
+                add_rows_times_state(db, xs, w_lo, w_hi, dss);
 #pragma unroll
                 for (int pr = 0; pr < kQ / 16; ++pr) {
                     if (pr < warp) continue;
@@ -486,33 +488,14 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                         mma_pair<T>(db[2 * q], db[2 * q + 1], a2[pr], bb);
                     }
                 }
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int64_t t = t0 + (half ? r_hi : r_lo);
-                    if (t >= p.seqlen) continue;
-                    T* dst = static_cast<T*>(a.db_part) + ((b * p.seqlen + t) * p.heads + h) * N + 2 * (lane % 4);
-#pragma unroll
-                    for (int q = 0; q < N / 8; ++q)
-                        *reinterpret_cast<T2*>(dst + 8 * q) = O::pack2(db[q][2 * half], db[q][2 * half + 1]);
-                }
+                store_partial(db, a.db_part, t0);
             }
 
             // ---- Rows t = 16 warp.. : dC and the y term of cum_t.
             {
                 const float e_lo = sm.sc.ecum[r_lo], e_hi = sm.sc.ecum[r_hi];
                 float dc[N / 8][4] = {};  // first 2^cum_t dy_t S
-#pragma unroll
-                for (int kk = 0; kk < kP / 16; ++kk) {
-                    uint32_t af[4];
-                    ldsm_x4(af, dys + ((16 * warp + a_rows) * PX + 16 * kk + a_cols) * E);
-                    scale_a_rows<T>(af, e_lo, e_hi);
-#pragma unroll
-                    for (int q = 0; q < N / 16; ++q) {
-                        uint32_t bb[4];
-                        ldsm_x4_trans(bb, ss + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
-                        mma_pair<T>(dc[2 * q], dc[2 * q + 1], af, bb);
-                    }
-                }
+                add_rows_times_state(dc, dys, e_lo, e_hi, ss);
                 const float2 cdot = row_dots<T, N, PN>(dc, sm.c, r_lo, r_hi);
                 if (lane % 4 == 0) {
                     sm.y0[r_lo] = cdot.x;
@@ -553,15 +536,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                         mma_pair<T>(dc[2 * q], dc[2 * q + 1], a3, bb);
                     }
                 }
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int64_t t = t0 + (half ? r_hi : r_lo);
-                    if (t >= p.seqlen) continue;
-                    T* dst = static_cast<T*>(a.dc_part) + ((b * p.seqlen + t) * p.heads + h) * N + 2 * (lane % 4);
-#pragma unroll
-                    for (int q = 0; q < N / 8; ++q)
-                        *reinterpret_cast<T2*>(dst + 8 * q) = O::pack2(dc[q][2 * half], dc[q][2 * half + 1]);
-                }
+                store_partial(dc, a.dc_part, t0);
             }
 
             update_ds();

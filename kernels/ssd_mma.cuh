@@ -77,8 +77,9 @@ template <int COLS> __host__ __device__ constexpr int pitch() { return COLS + 8;
 struct TileScalars {
     float4 cd[kQ / 2];  // {cum_t, dt_t, cum_t+1, dt_t+1}: cum = running sum of dt * A * log2(e)
     float2 w[kQ / 2];   // 2^(cum_last - cum_t) dt_t: the state update's weights
-    float ecum[kQ];     // 2^cum_t
+    float ecum[kQ];     // 2^cum_t (also read as float2 pairs)
 };
+static_assert(offsetof(TileScalars, ecum) % alignof(float2) == 0, "ecum is read as float2 pairs");
 
 // The thread's share of a (kP x N) f32 state held as mma accumulators: rows 16w + lane/4 (+8),
 // columns 8j + 2(lane%4) (+1). `f(acc_pair, row, col)` visits each adjacent pair.
