@@ -35,26 +35,7 @@ fn roundtrip_all(what: &str, cases: &[SsdCase]) {
 
 #[test]
 fn shapes_groups_chunks() {
-    let mut cases = Vec::new();
-    // (batch, seqlen, heads, headdim, dstate, groups, chunk_size)
-    for (k, &(b, l, h, p, n, g, q)) in [
-        (2, 1, 2, 4, 8, 1, 32),
-        (2, 33, 4, 3, 16, 2, 32),
-        (1, 100, 4, 8, 1, 4, 64),
-        (2, 129, 2, 1, 3, 1, 128),
-        (1, 257, 3, 5, 7, 3, 256),
-        (1, 300, 6, 16, 32, 2, 64),
-        (1, 70, 2, 80, 4, 1, 32),
-        (1, 40, 2, 2, 256, 2, 32),
-        (3, 64, 8, 4, 16, 8, 64),
-        (1, 255, 2, 64, 64, 1, 128),
-    ]
-    .iter()
-    .enumerate()
-    {
-        let base = SsdCase { groups: g, chunk_size: q, seed: k as u64, ..SsdCase::new(b, l, h, p, n) };
-        cases.push(if k % 2 == 0 { base.all_optional() } else { base });
-    }
+    let cases = shape_cases(&SHAPES);
     roundtrip_all("shapes", &cases);
 }
 

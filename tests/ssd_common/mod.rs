@@ -165,6 +165,37 @@ impl SsdCase {
     }
 }
 
+/// (batch, seqlen, heads, headdim, dstate, groups, chunk_size) of the shape matrix both targets'
+/// tests run: odd lengths, groups, every chunk size, headdim 1..80, dstate 1..256.
+pub const SHAPES: [(usize, usize, usize, usize, usize, usize, usize); 10] = [
+    (2, 1, 2, 4, 8, 1, 32),
+    (2, 33, 4, 3, 16, 2, 32),
+    (1, 100, 4, 8, 1, 4, 64),
+    (2, 129, 2, 1, 3, 1, 128),
+    (1, 257, 3, 5, 7, 3, 256),
+    (1, 300, 6, 16, 32, 2, 64),
+    (1, 70, 2, 80, 4, 1, 32),
+    (1, 40, 2, 2, 256, 2, 32),
+    (3, 64, 8, 4, 16, 8, 64),
+    (1, 255, 2, 64, 64, 1, 128),
+];
+
+/// Cases of `shapes`, every other one with all the optional inputs.
+pub fn shape_cases(shapes: &[(usize, usize, usize, usize, usize, usize, usize)]) -> Vec<SsdCase> {
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(k, &(b, l, h, p, n, g, q))| {
+            let base = SsdCase { groups: g, chunk_size: q, seed: k as u64, ..SsdCase::new(b, l, h, p, n) };
+            if k % 2 == 0 {
+                base.all_optional()
+            } else {
+                base
+            }
+        })
+        .collect()
+}
+
 /// The inputs in f64 (the reference's arithmetic; finite differences perturb these).
 #[derive(Clone, Debug)]
 pub struct In64 {
