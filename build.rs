@@ -1,5 +1,5 @@
 //! Build script: (1) with the `cuda` feature, compile each `kernels/*.cu` into a fatbin (SASS for every
-//! arch in XLA_SSM_CUDA_ARCHS, default 80,86,89,90, plus PTX for the newest) and generate the table
+//! arch in XLA_SSM_CUDA_ARCHS, default 80,86,89,90 (90 as 90a), plus PTX for the newest) and generate the table
 //! that embeds them; (2) generate the C header with cbindgen into OUT_DIR (and into include/ when
 //! XLA_SSM_WRITE_HEADER=1; a test fails when the committed header drifts).
 use std::env;
@@ -78,7 +78,10 @@ fn kernels(out: &Path) {
         .collect();
     archs.sort_unstable();
     let newest = *archs.last().expect("XLA_SSM_CUDA_ARCHS is empty");
-    let mut gencode: Vec<String> = archs.iter().map(|a| format!("-gencode=arch=compute_{a},code=sm_{a}")).collect();
+    // sm_90 code is built as sm_90a: the same GPUs, plus wgmma (kernels/ssd_fwd_wgmma.cuh).
+    let sass = |a: &u32| if *a == 90 { "90a".to_string() } else { a.to_string() };
+    let mut gencode: Vec<String> =
+        archs.iter().map(|a| format!("-gencode=arch=compute_{0},code=sm_{0}", sass(a))).collect();
     gencode.push(format!("-gencode=arch=compute_{newest},code=compute_{newest}"));
 
     let mut sources: Vec<PathBuf> = std::fs::read_dir("kernels")

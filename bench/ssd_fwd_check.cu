@@ -56,7 +56,7 @@ template <typename T, int N> struct Kern {
         const int64_t n_tiles = (p.seqlen + 63) / 64;
         const int64_t tpp = std::max<int64_t>(1, (n_tiles + parts - 1) / parts);
         parts = std::max<int64_t>(1, (n_tiles + tpp - 1) / tpp);
-        const int smem = sizeof(ssd_mma::Smem<T, N>);
+        const int smem = sizeof(ssd_mma::SyncSmem<T, N>);  // the launcher's size (kernels/ssd_fwd.cu)
 #define SSD_PICK(NAME) (std::is_same<T, bf16>::value ? (N == 64 ? NAME##_bf16_n64 : NAME##_bf16_n128) \
                                                     : (N == 64 ? NAME##_f16_n64 : NAME##_f16_n128))
         auto main_k = p.z ? SSD_PICK(ssd_fwd_mma_gated) : SSD_PICK(ssd_fwd_mma);  // the launcher's choice

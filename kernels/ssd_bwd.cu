@@ -73,15 +73,6 @@ template <typename T> __device__ __forceinline__ void scale_a_rows(uint32_t a[4]
         a[r] = pack_u32<T>(v.x * f, v.y * f);
     }
 }
-// Scales the k pairs (2(lane%4) (+1) and +8) of an A fragment.
-template <typename T> __device__ __forceinline__ void scale_a_cols(uint32_t a[4], float2 lo, float2 hi) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const float2 v = Ops<T>::unpack2(*reinterpret_cast<const typename Ops<T>::T2*>(&a[r]));
-        const float2 f = r < 2 ? lo : hi;
-        a[r] = pack_u32<T>(v.x * f.x, v.y * f.y);
-    }
-}
 __device__ __forceinline__ float quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
@@ -286,13 +277,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
     }
     float dd_acc[kP / 8][2] = {};  // sum of dy x over this thread's (rows, columns 8j + 2(lane%4) (+1))
     float dskip[kP / 8][2];        // D of those columns
-#pragma unroll
-    for (int jn = 0; jn < kP / 8; ++jn)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int col = 8 * jn + 2 * (lane % 4) + e;
-            dskip[jn][e] = p.D ? p.D[p.D_per_channel ? h * kP + col : h] : 0.f;
-        }
+    load_dskip(dskip, p, h);
     float da_acc = 0.f, dbias_acc = 0.f;  // warp 0
 
     for (int64_t chunk = chunk_end - 1; chunk >= chunk_begin; --chunk) {

@@ -1,300 +1,31 @@
 // Mamba-2 SSD forward on tensor cores (docs/ssd.md): bf16 / f16 inputs, headdim 64, dstate 64 or 128,
 // chunk_size a multiple of 64. src/ops/ssd/cuda.rs takes it where it applies; the generic path covers
-// the rest.
-//
-// One block of 4 warps scans one (batch, head) through the sequence in tiles of 64 steps, the state S
-// (headdim x dstate, f32) living in the warps' mma accumulators (warp w: rows p = 16w..16w+15). Per
-// tile, with cum_t the running sum of dt * A inside the tile (log2 units):
-//   y  = diag(2^cum) C S^T  +  ((C B^T) o M) x,   M[t, s] = 2^(cum_t - cum_s) dt_s for s <= t, else 0
-//   S <- 2^cum_last S  +  (w o x)^T B,             w_s = 2^(cum_last - cum_s) dt_s
-// (warp w: rows t = 16w..16w+15 of y; the masked C B^T never leaves registers: its accumulators are
-// the A operand of the product with x). Inputs stream through shared memory by cp.async, one tile
-// ahead. S enters the y products rounded to T, as the products themselves take T operands.
+// the rest. Two kernels, one per instruction set: wgmma on sm_90a at dstate 128 (ssd_fwd_wgmma.cuh:
+// H100 8x2048x64x64x128 bf16 302 us with chunk states against 355) and mma.sync otherwise
+// (ssd_fwd_sync.cuh). Both scan one (batch, head) per block of 128 threads through 64-step tiles,
+// the state in accumulators.
 //
 // Sequence split (few batch x heads): pass 1 (`_local`) runs parts 0..n_parts-2 from a zero state and
 // records each part's end state and total decay in the workspace; pass 2 runs every part, starting
 // from the initial state folded through the records of the parts before it.
-#include "ssd_mma.cuh"
+#include "ssd_fwd_sync.cuh"
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#include "ssd_fwd_wgmma.cuh"
+#endif
 
 namespace ssd_mma {
-
-template <typename T, int N> struct Smem {
-    T x[2][kQ * pitch<kP>()];
-    T b[2][kQ * pitch<N>()];
-    T c[2][kQ * pitch<N>()];
-    T s[kP * pitch<N>()];  // the state entering the tile, rounded to T (the y products' operand)
-    TileScalars sc[2];     // of the tile in x/b/c[buf]
-};
-// The launcher sizes shared memory by this formula (src/ops/ssd/cuda_mma.rs).
-static_assert(sizeof(Smem<bf16, 128>) == 20480 + 640 * (128 + 8) && sizeof(Smem<f16, 64>) == 20480 + 640 * (64 + 8),
-              "mirror of fwd_shared_bytes");
-
-// GATED: y times silu(z), a kernel of its own: with the gate's code in it (skipped at run time) the
-// ungated forward took 380 us instead of 356 at 8x2048x64x64x128.
+// wgmma at dstate 128 on sm_90a; at dstate 64 the mma.sync kernel is the faster one there (f16
+// 8x2048x64x64x64: 248 us against 266).
 template <typename T, int N, bool LOCAL, bool GATED>
-__device__ __forceinline__ void ssd_fwd_mma(const SsdParams& p, int64_t tiles_per_part, int n_parts) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    Smem<T, N>& sm = *reinterpret_cast<Smem<T, N>*>(smem_raw);
-    using O = Ops<T>;
-    using T2 = typename O::T2;
-    constexpr int PX = pitch<kP>(), PN = pitch<N>();
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int rb = warp;  // row block of y and S
-    const int64_t bh = blockIdx.x, part = blockIdx.y;
-    const int64_t b = bh / p.heads, h = bh % p.heads, g = h / (p.heads / p.groups);
-    const int64_t n_tiles = (p.seqlen + kQ - 1) / kQ;
-    const int64_t tile_begin = part * tiles_per_part;
-    const int64_t tile_end = min(tile_begin + tiles_per_part, n_tiles);
-    const float a_log2 = p.A[h] * kLog2e;
-    const int64_t state_elems = int64_t(kP) * N;
-    float* records = static_cast<float*>(p.workspace);  // [n_parts - 1][batch * heads][kP][N]
-    float* record_decay = records + (n_parts - 1) * p.batch * p.heads * state_elems;
-
-    // The state entering the part.
-    float s[N / 8][4];
-    for_state_pairs<N>(s, [&](float* acc, int row, int col) {
-        float2 v = make_float2(0.f, 0.f);
-        if (!LOCAL && p.initial_states)
-            v = *reinterpret_cast<const float2*>(p.initial_states + bh * state_elems + row * N + col);
-        acc[0] = v.x;
-        acc[1] = v.y;
-    });
-    if (!LOCAL) {
-        for (int64_t q = 0; q < part; ++q) {
-            const float decay = exp2f(record_decay[q * p.batch * p.heads + bh]);
-            const float* rec = records + (q * p.batch * p.heads + bh) * state_elems;
-            for_state_pairs<N>(s, [&](float* acc, int row, int col) {
-                const float2 r = *reinterpret_cast<const float2*>(rec + row * N + col);
-                acc[0] = fmaf(decay, acc[0], r.x);
-                acc[1] = fmaf(decay, acc[1], r.y);
-            });
-        }
+__device__ __forceinline__ void ssd_fwd(const SsdParams& p, int64_t tiles_per_part, int n_parts) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (N == 128) {
+        ssd_fwd_wgmma<T, N, LOCAL, GATED>(p, tiles_per_part, n_parts);
+        return;
     }
-
-    // D for the y epilogue's columns 8j + 2(lane%4) (+1).
-    float dskip[kP / 8][2];
-#pragma unroll
-    for (int j = 0; j < kP / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int col = 8 * j + 2 * (lane % 4) + e;
-            dskip[j][e] = p.D ? p.D[p.D_per_channel ? h * kP + col : h] : 0.f;
-        }
-
-    // Global sources of this thread's cp.async chunks, at step 0 of the sequence.
-    const TileCopy<kP> xcopy;
-    const TileCopy<N> bccopy;
-    const int64_t x_step = p.heads * kP, bc_step = p.groups * N;
-    const T* x_src = static_cast<const T*>(p.x) + ((b * p.seqlen + xcopy.row0) * p.heads + h) * kP + xcopy.col;
-    const int64_t bc_off = ((b * p.seqlen + bccopy.row0) * p.groups + g) * N + bccopy.col;
-    const T* b_src = static_cast<const T*>(p.B) + bc_off;
-    const T* c_src = static_cast<const T*>(p.C) + bc_off;
-    auto load_tile = [&](int buf, int64_t t0) {
-#pragma unroll
-        for (int k = 0; k < TileCopy<kP>::kPasses; ++k) {
-            const int row = xcopy.row0 + k * TileCopy<kP>::kRowStep;
-            const bool valid = t0 + row < p.seqlen;
-            cp_async16(&sm.x[buf][row * PX + xcopy.col], valid ? x_src + (t0 + k * TileCopy<kP>::kRowStep) * x_step : x_src,
-                       valid);
-        }
-#pragma unroll
-        for (int k = 0; k < TileCopy<N>::kPasses; ++k) {
-            const int row = bccopy.row0 + k * TileCopy<N>::kRowStep;
-            const bool valid = t0 + row < p.seqlen;
-            const int64_t off = valid ? (t0 + k * TileCopy<N>::kRowStep) * bc_step : 0;
-            cp_async16(&sm.b[buf][row * PN + bccopy.col], b_src + off, valid);
-            cp_async16(&sm.c[buf][row * PN + bccopy.col], c_src + off, valid);
-        }
-    };
-
-    // Warp 0 computes a tile's scalars one tile ahead of the others (it has the least mma work).
-    float decay_sum = 0.f;  // log2 of the part's total decay (LOCAL records it)
-
-    // Per-lane ldmatrix byte offsets into a tile of pitch 1 element; the loops add compile-time offsets.
-    const int a_rows = lane & 15, a_cols = (lane >> 4) * 8;                               // A, row-major
-    const int bn_rows = (lane & 7) + ((lane >> 4) << 3), bn_cols = ((lane >> 3) & 1) * 8;  // B, n-major
-    const int bt_rows = (lane & 7) + ((lane >> 3) & 1) * 8, bt_cols = (lane >> 4) * 8;     // B, k-major
-    const int at_rows = (lane & 7) + (lane >> 4) * 8, at_cols = ((lane >> 3) & 1) * 8;     // A, k-major
-    constexpr int E = sizeof(T);
-
-    if (tile_begin < tile_end) load_tile(int(tile_begin & 1), tile_begin * kQ);
-    cp_async_commit();
-    float dt_raw[2];
-    if (warp == 0) {
-        load_dt<T>(p, b, h, tile_begin * kQ, dt_raw);
-        tile_scalars(sm.sc[tile_begin & 1], p, h, a_log2, tile_begin * kQ, dt_raw);
-        load_dt<T>(p, b, h, (tile_begin + 1) * kQ, dt_raw);
-    }
-
-    for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
-        const int buf = int(tile & 1);
-        const int64_t t0 = tile * kQ;
-        // z is read straight from global memory by the epilogue: pull this tile's rows (one line
-        // each) into L2 now, half a tile before its use (gated forward 710 -> 645 us; silu did the rest).
-        if (GATED && tid < kQ && t0 + tid < p.seqlen)
-            prefetch_l2(static_cast<const T*>(p.z) + ((b * p.seqlen + t0 + tid) * p.heads + h) * kP);
-        if (tile + 1 < tile_end) load_tile(buf ^ 1, t0 + kQ);
-        cp_async_commit();
-        cp_async_wait_one();
-        __syncthreads();
-
-        const TileScalars& sc = sm.sc[buf];
-        const float cum_last = sc.cd[kQ / 2 - 1].z;
-        decay_sum += cum_last;
-        const uint32_t xs = smem_addr(sm.x[buf]), bs = smem_addr(sm.b[buf]), cs = smem_addr(sm.c[buf]);
-        if (!LOCAL) {
-            // Residual for the backward pass: the state entering each chunk.
-            if (p.chunk_states && t0 % p.chunk_size == 0) {
-                const int64_t chunk = t0 / p.chunk_size, n_chunks = ssd_chunk_count(p);
-                for_state_pairs<N>(s, [&](float* acc, int row, int col) {
-                    float* dst = p.chunk_states + ((bh * kP + row) * n_chunks + chunk) * N + col;
-                    *reinterpret_cast<float2*>(dst) = make_float2(acc[0], acc[1]);
-                });
-            }
-            for_state_pairs<N>(s, [&](float* acc, int row, int col) {
-                *reinterpret_cast<T2*>(&sm.s[row * PN + col]) = O::pack2(acc[0], acc[1]);
-            });
-            __syncthreads();
-
-            // y for rows t = 16 rb + lane/4 (+8).
-            float y[kP / 8][4] = {};
-            float gm[kQ / 8][4] = {};
-            const uint32_t c_lane = cs + ((16 * rb + a_rows) * PN + a_cols) * E;
-            const uint32_t b_lane = bs + (bn_rows * PN + bn_cols) * E;
-            const uint32_t s_lane = smem_addr(sm.s) + ((bn_rows) * PN + bn_cols) * E;
-#pragma unroll
-            for (int kk = 0; kk < N / 16; ++kk) {
-                uint32_t a[4];
-                ldsm_x4(a, c_lane + 16 * kk * E);
-#pragma unroll
-                for (int pr = 0; pr < kQ / 16; ++pr) {
-                    if (pr > rb) break;  // causal: s <= t
-                    uint32_t bb[4];
-                    ldsm_x4(bb, b_lane + (16 * pr * PN + 16 * kk) * E);
-                    mma_pair<T>(gm[2 * pr], gm[2 * pr + 1], a, bb);
-                }
-#pragma unroll
-                for (int pr = 0; pr < kP / 16; ++pr) {
-                    uint32_t bb[4];
-                    ldsm_x4(bb, s_lane + (16 * pr * PN + 16 * kk) * E);
-                    mma_pair<T>(y[2 * pr], y[2 * pr + 1], a, bb);
-                }
-            }
-            const int t_lo = 16 * rb + lane / 4, t_hi = t_lo + 8;
-            const float e_lo = sc.ecum[t_lo], e_hi = sc.ecum[t_hi];
-            auto cum_of = [&](int t) {
-                const float4 v = sc.cd[t / 2];
-                return t & 1 ? v.z : v.x;
-            };
-            const float cum_t[2] = {cum_of(t_lo), cum_of(t_hi)};
-#pragma unroll
-            for (int j = 0; j < kP / 8; ++j) {
-                y[j][0] *= e_lo;
-                y[j][1] *= e_lo;
-                y[j][2] *= e_hi;
-                y[j][3] *= e_hi;
-            }
-            // Mask and decay C B^T, then y += M x, the accumulators turned into A fragments in place.
-            const uint32_t x_lane = xs + (bt_rows * PX + bt_cols) * E;
-#pragma unroll
-            for (int kk = 0; kk < kQ / 16; ++kk) {
-                if (kk > rb) break;
-                uint32_t a[4];
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const float* acc = gm[2 * kk + half];
-                    const int s0 = 16 * kk + 8 * half + 2 * (lane % 4);
-                    const float4 cd = sc.cd[s0 / 2];  // {cum, dt} of s0 and s0 + 1
-                    float m[4];
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int t = e < 2 ? t_lo : t_hi, sidx = s0 + (e & 1);
-                        const float cum_s = e & 1 ? cd.z : cd.x, dt_s = e & 1 ? cd.w : cd.y;
-                        const float v = acc[e] * ex2_ftz(cum_t[e >> 1] - cum_s) * dt_s;
-                        m[e] = kk < rb || sidx <= t ? v : 0.f;  // below the diagonal block: all s < t
-                    }
-                    a[2 * half] = pack_u32<T>(m[0], m[1]);
-                    a[2 * half + 1] = pack_u32<T>(m[2], m[3]);
-                }
-#pragma unroll
-                for (int pr = 0; pr < kP / 16; ++pr) {
-                    uint32_t bb[4];
-                    ldsm_x4_trans(bb, x_lane + (16 * kk * PX + 16 * pr) * E);
-                    mma_pair<T>(y[2 * pr], y[2 * pr + 1], a, bb);
-                }
-            }
-            // y += D x, gate, store.
-            const T* z = GATED ? static_cast<const T*>(p.z) : nullptr;
-            T* out = static_cast<T*>(p.y);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = half ? t_hi : t_lo;
-                const int64_t t = t0 + row;
-                if (t >= p.seqlen) continue;
-                const int col0 = 2 * (lane % 4);
-                const int64_t base = ((b * p.seqlen + t) * p.heads + h) * kP + col0;
-#pragma unroll
-                for (int j = 0; j < kP / 8; ++j) {
-                    const float2 xv = O::unpack2(*reinterpret_cast<const T2*>(&sm.x[buf][row * PX + col0 + 8 * j]));
-                    float v0 = y[j][2 * half] + dskip[j][0] * xv.x;
-                    float v1 = y[j][2 * half + 1] + dskip[j][1] * xv.y;
-                    if (GATED) {
-                        const float2 zv = O::unpack2(*reinterpret_cast<const T2*>(z + base + 8 * j));
-                        v0 *= silu_fast(zv.x);  // exact expf and division: 637 us instead of 538
-                        v1 *= silu_fast(zv.y);
-                    }
-                    *reinterpret_cast<T2*>(out + base + 8 * j) = O::pack2(v0, v1);
-                }
-            }
-        }
-
-        // S <- 2^cum_last S + (w o x)^T B; w scales the k (= step) pairs of the A fragments.
-        const float decay = ex2_ftz(cum_last);
-#pragma unroll
-        for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] *= decay;
-        const uint32_t xt_lane = xs + (at_rows * PX + 16 * rb + at_cols) * E;
-        const uint32_t bt_lane = bs + (bt_rows * PN + bt_cols) * E;
-#pragma unroll
-        for (int kk = 0; kk < kQ / 16; ++kk) {
-            uint32_t a[4];
-            ldsm_x4_trans(a, xt_lane + 16 * kk * PX * E);
-            const float2 w_lo = sc.w[8 * kk + lane % 4], w_hi = sc.w[8 * kk + 4 + lane % 4];
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const float2 w = r < 2 ? w_lo : w_hi;
-                const float2 v = O::unpack2(*reinterpret_cast<const T2*>(&a[r]));
-                a[r] = pack_u32<T>(v.x * w.x, v.y * w.y);
-            }
-#pragma unroll
-            for (int pr = 0; pr < N / 16; ++pr) {
-                uint32_t bb[4];
-                ldsm_x4_trans(bb, bt_lane + (16 * kk * PN + 16 * pr) * E);
-                mma_pair<T>(s[2 * pr], s[2 * pr + 1], a, bb);
-            }
-        }
-        if (warp == 0 && tile + 1 < tile_end) {
-            tile_scalars(sm.sc[buf ^ 1], p, h, a_log2, t0 + kQ, dt_raw);
-            load_dt<T>(p, b, h, t0 + 2 * kQ, dt_raw);
-        }
-        __syncthreads();
-    }
-
-    if (LOCAL) {
-        float* rec = records + (part * p.batch * p.heads + bh) * state_elems;
-        for_state_pairs<N>(s, [&](float* acc, int row, int col) {
-            *reinterpret_cast<float2*>(rec + row * N + col) = make_float2(acc[0], acc[1]);
-        });
-        if (tid == 0) record_decay[part * p.batch * p.heads + bh] = decay_sum;
-    } else if (part == n_parts - 1 && p.final_states) {
-        for_state_pairs<N>(s, [&](float* acc, int row, int col) {
-            *reinterpret_cast<float2*>(p.final_states + bh * state_elems + row * N + col) =
-                make_float2(acc[0], acc[1]);
-        });
-    }
+#endif
+    ssd_fwd_sync<T, N, LOCAL, GATED>(p, tiles_per_part, n_parts);
 }
-
 }  // namespace ssd_mma
 
 // The launch's parameters: the call's, and the sequence split (mirror of `MmaParams` in
@@ -306,11 +37,11 @@ struct SsdMmaParams {
 };
 
 // extern "C" entry points ssd_fwd_mma[_gated]_<T>_n<N> (_gated: with z) and ssd_fwd_mma_local_<T>_n<N>
-// (the split's first pass, which writes no y); grid (batch * heads, parts), kThreads threads, sizeof(Smem<T, N>)
-// bytes of dynamic shared memory.
+// (the split's first pass, which writes no y); grid (batch * heads, parts), kThreads threads,
+// sizeof(SyncSmem<T, N>) bytes of dynamic shared memory (the larger of the two kernels' needs).
 #define SSD_FWD_MMA_KERNEL(T, N, NAME, LOCAL, GATED)                                                  \
     extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2) NAME(const SsdMmaParams a) {   \
-        ssd_mma::ssd_fwd_mma<T, N, LOCAL, GATED>(a.p, a.tiles_per_part, int(a.n_parts));              \
+        ssd_mma::ssd_fwd<T, N, LOCAL, GATED>(a.p, a.tiles_per_part, int(a.n_parts));                  \
     }
 #define SSD_FWD_MMA(T, N)                                                                             \
     SSD_FWD_MMA_KERNEL(T, N, ssd_fwd_mma_##T##_n##N, false, false)                                    \

@@ -114,10 +114,11 @@ __device__ __forceinline__ void load_dt(const SsdParams& p, int64_t b, int64_t h
     }
 }
 
-// One warp turns the raw dt of a tile into its scalars; lane l owns steps 2l and 2l + 1. dt is after
-// bias/softplus/clamp, and 0 past the end (padding steps neither decay nor add).
+// One warp turns the raw dt of a tile into its scalars; lane l owns steps 2l and 2l + 1 and stores
+// them when `store`. dt is after bias/softplus/clamp, and 0 past the end (padding steps neither decay
+// nor add).
 __device__ __forceinline__ void tile_scalars(TileScalars& out, const SsdParams& p, int64_t h, float a_log2,
-                                             int64_t t0, const float (&raw)[2]) {
+                                             int64_t t0, const float (&raw)[2], bool store = true) {
     const int lane = threadIdx.x & 31;
     float dt[2], a[2];
 #pragma unroll
@@ -133,10 +134,58 @@ __device__ __forceinline__ void tile_scalars(TileScalars& out, const SsdParams& 
     }
     const float c0 = run - a[1], c1 = run;
     const float last = __shfl_sync(0xffffffffu, run, 31);
+    if (!store) return;
     out.cd[lane] = make_float4(c0, dt[0], c1, dt[1]);
     out.w[lane] = make_float2(ex2_ftz(last - c0) * dt[0], ex2_ftz(last - c1) * dt[1]);
     out.ecum[2 * lane] = ex2_ftz(c0);
     out.ecum[2 * lane + 1] = ex2_ftz(c1);
+}
+
+// Scales the k pairs (2(lane%4) (+1) and +8) of an A fragment.
+template <typename T> __device__ __forceinline__ void scale_a_cols(uint32_t a[4], float2 lo, float2 hi) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const float2 v = Ops<T>::unpack2(*reinterpret_cast<const typename Ops<T>::T2*>(&a[r]));
+        const float2 f = r < 2 ? lo : hi;
+        a[r] = pack_u32<T>(v.x * f.x, v.y * f.y);
+    }
+}
+
+// The A fragment (k = s) of a masked, decayed 16 x 16 block of G = (C B^T) o M from its two n-tiles of
+// accumulators: M[t, s] = 2^(cum_t - cum_s) dt_s for s <= t, else 0. Rows t_lo = 16 rb + lane/4 and
+// t_lo + 8 with cum_t[2]; the block's steps start at s_block; `below`: the block is left of the
+// diagonal (s < t throughout).
+template <typename T>
+__device__ __forceinline__ void masked_decay_frag(uint32_t a[4], const float (&acc)[2][4], const TileScalars& sc, int t_lo,
+                                                  const float (&cum_t)[2], int s_block, bool below) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int s0 = s_block + 8 * half + 2 * (lane % 4);
+        const float4 cd = sc.cd[s0 / 2];  // {cum, dt} of s0 and s0 + 1
+        float m[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int t = e < 2 ? t_lo : t_lo + 8, sidx = s0 + (e & 1);
+            const float cum_s = e & 1 ? cd.z : cd.x, dt_s = e & 1 ? cd.w : cd.y;
+            const float v = acc[half][e] * ex2_ftz(cum_t[e >> 1] - cum_s) * dt_s;
+            m[e] = below || sidx <= t ? v : 0.f;
+        }
+        a[2 * half] = pack_u32<T>(m[0], m[1]);
+        a[2 * half + 1] = pack_u32<T>(m[2], m[3]);
+    }
+}
+
+// D of the columns 8j + 2(lane%4) (+1) of a row block (mma accumulator layout, P = headdim).
+__device__ __forceinline__ void load_dskip(float (&dskip)[kP / 8][2], const SsdParams& p, int64_t h) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < kP / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int col = 8 * j + 2 * (lane % 4) + e;
+            dskip[j][e] = p.D ? p.D[p.D_per_channel ? h * kP + col : h] : 0.f;
+        }
 }
 
 }  // namespace ssd_mma

@@ -43,8 +43,9 @@ struct BwdMmaParams {
     n_parts: i64,
 }
 
-/// `sizeof(Smem<T, N>)` (static_assert there): double-buffered x (64 x 72), B and C (64 x (N + 8))
-/// tiles of 2-byte elements, the state tile, and two tiles' scalars.
+/// `sizeof(SyncSmem<T, N>)` (static_assert in kernels/ssd_fwd_sync.cuh): double-buffered x (64 x 72),
+/// B and C (64 x (N + 8)) tiles of 2-byte elements, the state tile, and two tiles' scalars. The wgmma
+/// kernel (sm_90a) needs less and gets the same (a static_assert there checks it fits).
 fn fwd_shared_bytes(dstate: i64) -> u32 {
     (20480 + 640 * (dstate + 8)) as u32
 }

@@ -1,0 +1,119 @@
+// Pieces both SSD forward kernels share (ssd_fwd_sync.cuh: mma.sync, any sm_80+; ssd_fwd_wgmma.cuh:
+// wgmma, sm_90a): the state entering a part of the sequence, the residuals written from the state,
+// and D. The state is the thread's share of the (kP x N) f32 state in mma accumulator layout.
+#pragma once
+#include "ssd_mma.cuh"
+
+namespace ssd_mma {
+
+// The split's records in the workspace: [n_parts - 1][batch * heads][kP][N] end states from zero,
+// then [n_parts - 1][batch * heads] total decays (log2).
+struct PartRecords {
+    float* states;
+    float* decays;
+    int64_t per_part;  // batch * heads
+    template <int N> static __device__ __forceinline__ PartRecords make(const SsdParams& p, int n_parts) {
+        float* states = static_cast<float*>(p.workspace);
+        return {states, states + (n_parts - 1) * p.batch * p.heads * int64_t(kP) * N, p.batch * p.heads};
+    }
+};
+
+// The (batch, head) and the part of the sequence a forward block scans (grid: batch * heads, parts).
+struct FwdBlock {
+    int64_t bh, part, b, h, g, tile_begin, tile_end;
+    __device__ __forceinline__ FwdBlock(const SsdParams& p, int64_t tiles_per_part)
+        : bh(blockIdx.x), part(blockIdx.y), b(bh / p.heads), h(bh % p.heads), g(h / (p.heads / p.groups)),
+          tile_begin(part * tiles_per_part),
+          tile_end(min(tile_begin + tiles_per_part, (p.seqlen + kQ - 1) / kQ)) {}
+};
+
+// This thread's cp.async chunks of a tile's x, B and C rows (x: also where y goes, same layout).
+// `issue` copies the tile starting at step t0, rows past the sequence zero-filled; x_at / bc_at
+// (row, col) give the byte offset of element (row, col) in the kernel's shared layout of x / B, C.
+template <typename T, int N> struct TileLoads {
+    const TileCopy<kP> xcopy;
+    const TileCopy<N> bccopy;
+    int64_t seqlen, x_step, bc_step, x_off;
+    const T *x_src, *b_src, *c_src;
+    __device__ __forceinline__ TileLoads(const SsdParams& p, const FwdBlock& blk)
+        : seqlen(p.seqlen), x_step(p.heads * kP), bc_step(p.groups * N),
+          x_off(((blk.b * p.seqlen + xcopy.row0) * p.heads + blk.h) * kP + xcopy.col) {
+        const int64_t bc_off = ((blk.b * p.seqlen + bccopy.row0) * p.groups + blk.g) * N + bccopy.col;
+        x_src = static_cast<const T*>(p.x) + x_off;
+        b_src = static_cast<const T*>(p.B) + bc_off;
+        c_src = static_cast<const T*>(p.C) + bc_off;
+    }
+    template <typename XAt, typename BCAt>
+    __device__ __forceinline__ void issue(int64_t t0, T* x, T* b, T* c, XAt x_at, BCAt bc_at) const {
+#pragma unroll
+        for (int k = 0; k < TileCopy<kP>::kPasses; ++k) {
+            const int row = xcopy.row0 + k * TileCopy<kP>::kRowStep;
+            const bool valid = t0 + row < seqlen;
+            cp_async16(reinterpret_cast<unsigned char*>(x) + x_at(row, xcopy.col),
+                       valid ? x_src + (t0 + k * TileCopy<kP>::kRowStep) * x_step : x_src, valid);
+        }
+#pragma unroll
+        for (int k = 0; k < TileCopy<N>::kPasses; ++k) {
+            const int row = bccopy.row0 + k * TileCopy<N>::kRowStep;
+            const bool valid = t0 + row < seqlen;
+            const int64_t off = valid ? (t0 + k * TileCopy<N>::kRowStep) * bc_step : 0;
+            const uint32_t at = bc_at(row, bccopy.col);
+            cp_async16(reinterpret_cast<unsigned char*>(b) + at, b_src + off, valid);
+            cp_async16(reinterpret_cast<unsigned char*>(c) + at, c_src + off, valid);
+        }
+    }
+};
+
+// The state entering part `part` of (batch, head) bh: the initial state (or zero) carried through the
+// records of the parts before it. LOCAL (the split's first pass) starts every part from zero.
+template <int N, bool LOCAL>
+__device__ __forceinline__ void load_part_state(float (&s)[N / 8][4], const SsdParams& p, const PartRecords& rec,
+                                                int64_t bh, int64_t part) {
+    const int64_t state_elems = int64_t(kP) * N;
+    for_state_pairs<N>(s, [&](float* acc, int row, int col) {
+        float2 v = make_float2(0.f, 0.f);
+        if (!LOCAL && p.initial_states)
+            v = *reinterpret_cast<const float2*>(p.initial_states + bh * state_elems + row * N + col);
+        acc[0] = v.x;
+        acc[1] = v.y;
+    });
+    if constexpr (!LOCAL) {
+        for (int64_t q = 0; q < part; ++q) {
+            const float decay = exp2f(rec.decays[q * rec.per_part + bh]);
+            const float* r = rec.states + (q * rec.per_part + bh) * state_elems;
+            for_state_pairs<N>(s, [&](float* acc, int row, int col) {
+                const float2 v = *reinterpret_cast<const float2*>(r + row * N + col);
+                acc[0] = fmaf(decay, acc[0], v.x);
+                acc[1] = fmaf(decay, acc[1], v.y);
+            });
+        }
+    }
+}
+
+// At a part's end: LOCAL records its end state and total decay (log2); the last part writes the
+// final states.
+template <int N, bool LOCAL>
+__device__ __forceinline__ void store_part_state(float (&s)[N / 8][4], const SsdParams& p, const PartRecords& rec,
+                                                 int64_t bh, int64_t part, int n_parts, float decay_sum) {
+    const int64_t state_elems = int64_t(kP) * N;
+    float* dst = LOCAL ? rec.states + (part * rec.per_part + bh) * state_elems
+                       : (part == n_parts - 1 && p.final_states ? p.final_states + bh * state_elems : nullptr);
+    if (!dst) return;
+    for_state_pairs<N>(s, [&](float* acc, int row, int col) {
+        *reinterpret_cast<float2*>(dst + row * N + col) = make_float2(acc[0], acc[1]);
+    });
+    if (LOCAL && threadIdx.x == 0) rec.decays[part * rec.per_part + bh] = decay_sum;
+}
+
+// Residual for the backward pass: the state entering each chunk (t0 = the tile's first step).
+template <int N>
+__device__ __forceinline__ void store_chunk_state(float (&s)[N / 8][4], const SsdParams& p, int64_t bh, int64_t t0) {
+    if (!p.chunk_states || t0 % p.chunk_size != 0) return;
+    const int64_t chunk = t0 / p.chunk_size, n_chunks = ssd_chunk_count(p);
+    for_state_pairs<N>(s, [&](float* acc, int row, int col) {
+        float* dst = p.chunk_states + ((bh * kP + row) * n_chunks + chunk) * N + col;
+        *reinterpret_cast<float2*>(dst) = make_float2(acc[0], acc[1]);
+    });
+}
+
+}  // namespace ssd_mma
