@@ -320,9 +320,15 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
         // Tiles start at multiples of S, which divides checkpoint_len (a multiple of 32).
         if (!kLocal && p.checkpoints && active && l0 % p.checkpoint_len == 0) {
             float* checkpoint = p.checkpoints + ((b * p.dim + d) * checkpoint_count(p) + l0 / p.checkpoint_len) * p.dstate;
+            if (p.dstate == N) {  // 16-byte stores (the row is 64-byte aligned)
 #pragma unroll
-            for (int k = 0; k < K; ++k)
-                if (n0 + k < p.dstate) checkpoint[n0 + k] = h[k];
+                for (int q = 0; q < K / 4; ++q)
+                    reinterpret_cast<float4*>(checkpoint + n0)[q] = make_float4(h[4 * q], h[4 * q + 1], h[4 * q + 2], h[4 * q + 3]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < K; ++k)
+                    if (n0 + k < p.dstate) checkpoint[n0 + k] = h[k];
+            }
         }
         next_u.store_shared(s_u, map, time_contiguous);
         next_delta.store_shared(s_delta, map, time_contiguous);
@@ -421,8 +427,13 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
 
 // selective_scan_fwd_tiled[_local]_<T>_<TB>_<varying|invariant>, launched with kTiledThreads threads,
 // Tile<T>::kSharedBytes of dynamic shared memory and a (tiles, batch, chunks) grid.
+#ifdef SSF_MIN_BLOCKS  // tuning knob (bench/fwd_variants.sh): blocks per SM the registers must allow
+#define SSF_TILED_BOUNDS __launch_bounds__(kTiledThreads, SSF_MIN_BLOCKS)
+#else
+#define SSF_TILED_BOUNDS __launch_bounds__(kTiledThreads)
+#endif
 #define SSF_TILED_ONE(NAME, T, TB, VARYING, LOCAL)                                                \
-    extern "C" __global__ void __launch_bounds__(kTiledThreads) NAME(const SelectiveScanFwdParams p) { \
+    extern "C" __global__ void SSF_TILED_BOUNDS NAME(const SelectiveScanFwdParams p) {             \
         selective_scan_fwd_tiled<T, TB, VARYING, LOCAL>(p);                                       \
     }
 #define SSF_TILED(T, TB)                                                                                  \
