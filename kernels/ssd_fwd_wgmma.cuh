@@ -107,8 +107,6 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, int64_t tiles_
         const float cum_last = sc.cd[kQ / 2 - 1].z;
         decay_sum += cum_last;
         const uint32_t xs = smem_addr(sm.x[buf]), bs = smem_addr(sm.b[buf]), cs = smem_addr(sm.c[buf]);
-        // S <- 2^cum_last S + (w o x)^T B, issued while the y products run (it reads S from registers,
-        // they read its copy in shared memory); w scales the k (= step) pairs of the A fragments.
         // S <- 2^cum_last S + (w o x)^T B. The decay and the A fragments are done before any product is
         // issued (S's copy in shared memory is what C S^T reads), so no instruction touches a register
         // of an in-flight wgmma; the update runs while G is masked. w scales the k (= step) pairs.
