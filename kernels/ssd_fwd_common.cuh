@@ -1,6 +1,7 @@
 // Pieces both SSD forward kernels share (ssd_fwd_sync.cuh: mma.sync, any sm_80+; ssd_fwd_wgmma.cuh:
-// wgmma, sm_90a): the state entering a part of the sequence, the residuals written from the state,
-// and D. The state is the thread's share of the (kP x N) f32 state in mma accumulator layout.
+// wgmma, sm_90a): the block's (batch, head) and part, its tile loads, the state entering a part and
+// the states written from it. The state is the thread's share of the (kP x N) f32 state in mma
+// accumulator layout.
 #pragma once
 #include "ssd_mma.cuh"
 

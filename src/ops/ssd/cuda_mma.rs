@@ -80,6 +80,12 @@ pub(super) fn bwd_aligned(q: &SsdBwdParams) -> bool {
         && at(q.dinitial_states as *const c_void, 8)
 }
 
+/// REDUCE_THREADS-thread blocks for `items` threads, at most `max_blocks` (the kernel then strides).
+fn flat(items: i64, max_blocks: u64) -> LaunchConfig {
+    let blocks = (items.max(0) as u64).div_ceil(REDUCE_THREADS as u64).min(max_blocks);
+    LaunchConfig { grid: (blocks, 1, 1), block: REDUCE_THREADS, shared_bytes: 0 }
+}
+
 fn blocks(p: &SsdParams, parts: i64, shared_bytes: u32) -> LaunchConfig {
     LaunchConfig { grid: ((p.batch * p.heads) as u64, parts as u64, 1), block: THREADS, shared_bytes }
 }
@@ -149,12 +155,8 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
         let ssd = Ssd { params: y_pre, dtype: bwd.dtype, present, save_chunk_states: false };
         fwd(&ssd, shape, args.dc_part as *mut u8, layout.part_bytes, stream)?;
         // ...then dz, and the gradient of y before the gate into dx, which the ungated kernels take as dy.
-        let pairs = (p.batch * p.seqlen * p.heads * p.headdim / 2).max(0) as u64;
-        let config = LaunchConfig {
-            grid: (pairs.div_ceil(REDUCE_THREADS as u64).min(REDUCE_MAX_BLOCKS), 1, 1),
-            block: REDUCE_THREADS,
-            shared_bytes: 0,
-        };
+        let pairs = p.batch * p.seqlen * p.heads * p.headdim / 2;
+        let config = flat(pairs, REDUCE_MAX_BLOCKS);
         launch(stream, BWD_MODULE, &format!("ssd_bwd_gate_grad_{}", bwd.dtype.name()), config, &args)?;
         args.q = SsdBwdParams { dy: q.dx, fwd: SsdParams { z: std::ptr::null(), ..*p }, ..*q };
     }
@@ -166,18 +168,8 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
     }
     launch(stream, BWD_MODULE, &format!("ssd_bwd_mma_{types}"), blocks(p, layout.n_parts, smem), &args)?;
     // dB, dC: a thread per 8 states of (batch, seqlen, group); dA, dD, ddt_bias: a thread per (head, p).
-    let vectors = (p.batch * p.seqlen * p.groups * p.dstate / 8).max(0) as u64;
-    let reduce_bc = LaunchConfig {
-        grid: (vectors.div_ceil(REDUCE_THREADS as u64).min(REDUCE_MAX_BLOCKS), 1, 1),
-        block: REDUCE_THREADS,
-        shared_bytes: 0,
-    };
+    let reduce_bc = flat(p.batch * p.seqlen * p.groups * p.dstate / 8, REDUCE_MAX_BLOCKS);
     launch(stream, BWD_MODULE, &format!("ssd_bwd_reduce_bc_{}", bwd.dtype.name()), reduce_bc, &args)?;
-    let per_channel = (p.heads * p.headdim).max(0) as u64;
-    let reduce_params = LaunchConfig {
-        grid: (per_channel.div_ceil(REDUCE_THREADS as u64), 1, 1),
-        block: REDUCE_THREADS,
-        shared_bytes: 0,
-    };
+    let reduce_params = flat(p.heads * p.headdim, u64::MAX);
     launch(stream, BWD_MODULE, "ssd_bwd_reduce_params", reduce_params, &args)
 }
