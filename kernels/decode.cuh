@@ -53,28 +53,12 @@ struct DecodeParams {
 };
 
 
-// softplus for the fast decode kernels, in fewer instructions than log1pf(expf(x)): with e = e^x,
-// ln(1 + e) is a series below e = 1/16 (error < e^6 / 7, so tiny dt stays exact to f32) and
-// lg2(1 + e) * ln 2 above (lg2.approx's error over a result >= 0.087: relative error < 3e-6).
-// XLA_SSM_DECODE_SOFTPLUS=0 (bench/state_update_check.cu) builds the accurate one instead.
+// The decode kernels' softplus: softplus_fast (common.cuh); XLA_SSM_DECODE_SOFTPLUS=0
+// (bench/state_update_check.cu) builds the accurate one instead, to compare.
 #ifndef XLA_SSM_DECODE_SOFTPLUS
 #define XLA_SSM_DECODE_SOFTPLUS 1
 #endif
-__device__ __forceinline__ float softplus_decode(float x) {
-#if XLA_SSM_DECODE_SOFTPLUS
-    const float e = ex2_ftz(x * kLog2e);
-    float series = fmaf(e, -1.f / 6.f, 1.f / 5.f);
-    series = fmaf(e, series, -1.f / 4.f);
-    series = fmaf(e, series, 1.f / 3.f);
-    series = fmaf(e, series, -1.f / 2.f);
-    series = fmaf(e, series, 1.f);
-    float lg;
-    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(lg) : "f"(1.f + e));
-    return x > 20.f ? x : e < 0.0625f ? e * series : lg * 0.6931471805599453f;
-#else
-    return softplus(x);
-#endif
-}
+__device__ __forceinline__ float softplus_decode(float x) { return XLA_SSM_DECODE_SOFTPLUS ? softplus_fast(x) : softplus(x); }
 
 // How the state (read once, written once) meets the caches; a knob for bench/state_update_check.cu:
 // 0, the default: evict-first loads and stores (.cs); 1: the default policy (slower, BENCHMARKS.md).
