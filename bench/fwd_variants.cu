@@ -66,9 +66,9 @@ int main(int argc, char** argv) {
     p.chunk_len = L, p.n_chunks = 1;
     // The sequence split of src/ops/selective_scan/mod.rs (split_plan) for small batch x dim.
     SelectiveScanFwdParams ps = p;
-    const int64_t tiles = B * ((D + 127) / 128);
-    if (2 * tiles < 264 && L >= 128) {
-        const int64_t chunks = std::min((264 + tiles - 1) / tiles, L / 64);
+    const int64_t tiles = B * ((D + kTileChannels - 1) / kTileChannels), target = 4 * 132;
+    if (2 * tiles < target && L >= 128) {
+        const int64_t chunks = std::min((target + tiles - 1) / tiles, L / 64);
         ps.chunk_len = ((L + chunks - 1) / chunks + 31) / 32 * 32;
         ps.n_chunks = (L + ps.chunk_len - 1) / ps.chunk_len;
         CHECK(cudaMalloc(&ps.workspace, (ps.n_chunks - 1) * B * D * kChunkRecord * 4));

@@ -105,8 +105,8 @@ SSF_ALL_NS(f16, f16)
 SSF_ALL_NS(f16, f32)
 
 // ---------------------------------------------------------------------------------------------
-// Tiled kernel for dstate <= 16 and many channels. A block scans 128 channels of one batch row with
-// 256 threads: two per channel, each holding 8 of its states in registers, so the per-element work
+// Tiled kernel for dstate <= 16 and many channels. A block scans 64 channels of one batch row with
+// 128 threads: two per channel, each holding 8 of its states in registers, so the per-element work
 // is the recurrence alone and a step ends with one shuffle. The sequence goes through in tiles of S
 // steps: u, delta and z pass through shared memory (coalesced 16-byte global accesses in either
 // layout; the next tile's loads are in flight in registers while this one is computed), dt =
@@ -122,7 +122,15 @@ SSF_ALL_NS(f16, f32)
 #ifndef SSF_THREADS_PER_CHANNEL
 #define SSF_THREADS_PER_CHANNEL 2
 #endif
-constexpr int kTileChannels = 128;
+// Channels per block: 64 (four blocks per SM, 128 registers a thread) ran 1-20% faster than 128
+// (two per SM) at every shape measured, channel-last most (BENCHMARKS.md).
+#ifndef SSF_TILE_CHANNELS
+#define SSF_TILE_CHANNELS 64
+#endif
+#ifndef SSF_MIN_BLOCKS  // blocks per SM the registers must allow
+#define SSF_MIN_BLOCKS 4
+#endif
+constexpr int kTileChannels = SSF_TILE_CHANNELS;
 constexpr int kThreadsPerChannel = SSF_THREADS_PER_CHANNEL;
 constexpr int kTiledThreads = kTileChannels * kThreadsPerChannel;
 constexpr int kTiledStates = 16;
@@ -142,7 +150,7 @@ template <typename T> struct Tile {
         3 * kTileChannels * kPitch * sizeof(T) + 2 * kTileChannels * kPitchF32 * 4 + 2 * kSteps * kTiledStates * 4;
 };
 
-// Where thread `i` reads and writes its share of a [128 channels x S steps] tile, as vectors of
+// Where thread `i` reads and writes its share of a [channels x S steps] tile, as vectors of
 // E = 16 / sizeof(T) elements along the contiguous axis: with time contiguous ("bdl") vector v covers
 // steps (v % (S/E)) * E .. + E of row v / (S/E); with channels contiguous ("bld") it covers rows
 // (v % (128/E)) * E .. + E at step v / (128/E). v = k * 256 + i.
@@ -228,9 +236,9 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     extern __shared__ __align__(16) unsigned char shared[];
     float* s_B = reinterpret_cast<float*>(shared);  // [S][N]
     float* s_C = s_B + S * N;
-    float* s_dtf = s_C + S * N;                     // [128][PF]: dt
-    float* s_gate = s_dtf + kTileChannels * PF;     // [128][PF]: silu(z), or 1
-    T* s_u = reinterpret_cast<T*>(s_gate + kTileChannels * PF);  // [128][P]: u in, out back
+    float* s_dtf = s_C + S * N;                     // [channels][PF]: dt
+    float* s_gate = s_dtf + kTileChannels * PF;     // [channels][PF]: silu(z), or 1
+    T* s_u = reinterpret_cast<T*>(s_gate + kTileChannels * PF);  // [channels][P]: u in, out back
     T* s_delta = s_u + kTileChannels * P;
     T* s_z = s_delta + kTileChannels * P;
 
@@ -427,11 +435,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
 
 // selective_scan_fwd_tiled[_local]_<T>_<TB>_<varying|invariant>, launched with kTiledThreads threads,
 // Tile<T>::kSharedBytes of dynamic shared memory and a (tiles, batch, chunks) grid.
-#ifdef SSF_MIN_BLOCKS  // tuning knob (bench/fwd_variants.sh): blocks per SM the registers must allow
 #define SSF_TILED_BOUNDS __launch_bounds__(kTiledThreads, SSF_MIN_BLOCKS)
-#else
-#define SSF_TILED_BOUNDS __launch_bounds__(kTiledThreads)
-#endif
 #define SSF_TILED_ONE(NAME, T, TB, VARYING, LOCAL)                                                \
     extern "C" __global__ void SSF_TILED_BOUNDS NAME(const SelectiveScanFwdParams p) {             \
         selective_scan_fwd_tiled<T, TB, VARYING, LOCAL>(p);                                       \

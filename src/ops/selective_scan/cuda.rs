@@ -19,7 +19,7 @@ use crate::cuda::{launch, LaunchConfig};
 const LANE_STATES: i64 = 8;
 const LANES_BLOCK: u32 = 128;
 // Mirror of the tiled kernel's kTiledThreads (kernels/selective_scan_fwd.cu).
-const TILED_THREADS: u32 = 256;
+const TILED_THREADS: u32 = 128;
 
 /// `Tile<T>::kSharedBytes`: u, delta, z tiles of 64-byte rows padded by a word, f32 dt and gate
 /// rows padded by one, f32 B and C.

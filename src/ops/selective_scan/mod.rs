@@ -131,27 +131,29 @@ pub struct Fwd {
 }
 
 /// Channels per block of the CUDA `tiled` kernel (`kTileChannels`).
-pub const TILE_CHANNELS: i64 = 128;
+pub const TILE_CHANNELS: i64 = 64;
 /// Largest dstate of the CUDA `tiled` kernel (`kTiledStates`), the only one that splits.
 pub const TILED_MAX_DSTATE: i64 = 16;
 /// f32s per (chunk, batch, channel) record of the split: end state, then sum of dt (`kChunkRecord`).
 const SPLIT_RECORD_FLOATS: i64 = TILED_MAX_DSTATE + 1;
-/// Blocks the split aims for: two per multiprocessor of an H100 (132).
-pub const SPLIT_TARGET_BLOCKS: i64 = 264;
+/// Blocks the forward's split aims for: four per multiprocessor of an H100 (132).
+pub const FWD_SPLIT_TARGET_BLOCKS: i64 = 528;
+/// Blocks the backward's split aims for: two per multiprocessor.
+pub const BWD_SPLIT_TARGET_BLOCKS: i64 = 264;
 /// Shortest chunk worth a block of its own.
 pub const SPLIT_MIN_CHUNK: i64 = 64;
 
 /// Chunks of the CUDA kernel's sequence split: (chunk_len, n_chunks). A small batch x dim leaves the
 /// GPU idle, so the sequence is cut into chunks scanned in parallel: a first pass records each
 /// chunk's end state from zero, a second carries the true states in and writes the output. Only
-/// when there are fewer than [`SPLIT_TARGET_BLOCKS`] / 2 tiles of channels; depends on the shape
+/// when there are fewer than [`FWD_SPLIT_TARGET_BLOCKS`] / 2 tiles of channels; depends on the shape
 /// alone, so that a host can size the workspace before it knows the device.
 pub fn split_plan(batch: i64, dim: i64, seqlen: i64) -> (i64, i64) {
     let tiles = batch * ((dim + TILE_CHANNELS - 1) / TILE_CHANNELS);
-    if tiles == 0 || 2 * tiles >= SPLIT_TARGET_BLOCKS || seqlen < 2 * SPLIT_MIN_CHUNK {
+    if tiles == 0 || 2 * tiles >= FWD_SPLIT_TARGET_BLOCKS || seqlen < 2 * SPLIT_MIN_CHUNK {
         return (seqlen, 1);
     }
-    let chunks = ((SPLIT_TARGET_BLOCKS + tiles - 1) / tiles).min(seqlen / SPLIT_MIN_CHUNK);
+    let chunks = ((FWD_SPLIT_TARGET_BLOCKS + tiles - 1) / tiles).min(seqlen / SPLIT_MIN_CHUNK);
     // A whole number of tile steps (32 for 2-byte types, 16 for f32).
     let chunk_len = ((seqlen + chunks - 1) / chunks + 31) / 32 * 32;
     (chunk_len, (seqlen + chunk_len - 1) / chunk_len)
@@ -217,10 +219,10 @@ pub fn bwd_layout(batch: i64, dim: i64, seqlen: i64, dstate: i64, groups: i64, c
     let blocks = n_groups * tiles_per_group * batch;
     // As the forward: a small batch x dim leaves the GPU idle, so the sequence is cut into parts.
     let chunks = n_checkpoints(seqlen, if checkpoint_len > 0 { checkpoint_len } else { CHECKPOINT_MULTIPLE });
-    let (n_split, part_len) = if blocks == 0 || 2 * blocks >= SPLIT_TARGET_BLOCKS || chunks < 2 {
+    let (n_split, part_len) = if blocks == 0 || 2 * blocks >= BWD_SPLIT_TARGET_BLOCKS || chunks < 2 {
         (1, chunks * checkpoint_len.max(CHECKPOINT_MULTIPLE))
     } else {
-        let want = ((SPLIT_TARGET_BLOCKS + blocks - 1) / blocks).min(chunks);
+        let want = ((BWD_SPLIT_TARGET_BLOCKS + blocks - 1) / blocks).min(chunks);
         let per_part = (chunks + want - 1) / want;
         ((chunks + per_part - 1) / per_part, per_part * checkpoint_len.max(CHECKPOINT_MULTIPLE))
     };
