@@ -30,6 +30,7 @@ if [ "$mode" != check ]; then
   run time 8 4096 2048 16 1 bdl bf16 64 1 1 1 1 0 0
   run time 8 4096 2048 16 1 bld bf16 64 1 1 1 1 0 0
   run time 1 1536 2048 16 1 bdl bf16 64 1 1 1 1 0 0
+  run time 1 1536 2048 16 1 bdl bf16 32 1 1 1 1 0 0
   run time 8 4096 2048 16 0 bdl bf16 64 1 1 1 1 0 0
 fi
 echo "failures: $fails"

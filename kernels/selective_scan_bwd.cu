@@ -19,25 +19,22 @@
 // carries the true g in from the records of the parts after it.
 #include "selective_scan.cuh"
 
-// Tuning knobs (bench/bwd_check.sh builds variants with -D; src/ops/selective_scan/cuda_bwd.rs
-// mirrors the tile steps in its shared-memory size).
-#ifndef SSB_MIN_BLOCKS
-#define SSB_MIN_BLOCKS 2
-#endif
-#ifndef SSB_TILE_STEPS
-#define SSB_TILE_STEPS 32
-#endif
+// Tuning knob (bench/bwd_variants.sh builds variants with -D).
 #ifndef SSB_PIECE_STEPS
 #define SSB_PIECE_STEPS 4
 #endif
 constexpr int kBwdThreads = 128;
 constexpr int kBwdWarps = kBwdThreads / 32;
 
-template <int TPC> struct BwdShape {
+// Two tilings: 32-step tiles at two blocks per SM, any checkpoint_len; 16-step tiles at four blocks
+// per SM (128 registers), for dstate <= 16 and checkpoint_len 32, 8% faster there on the H100 (but
+// 31% slower at checkpoint_len 64, where a third of the tile starts no longer fit: BENCHMARKS.md).
+// src/ops/selective_scan/cuda_bwd.rs picks one and mirrors its shared-memory size.
+template <int TPC, int kTileSteps> struct BwdShape {
     static constexpr int K = 8;                  // states per thread
     static constexpr int NMAX = K * TPC;         // states per channel
     static constexpr int CB = kBwdThreads / TPC; // channels per block
-    static constexpr int S = SSB_TILE_STEPS;     // steps per tile (divides checkpoint_len)
+    static constexpr int S = kTileSteps;         // steps per tile (divides checkpoint_len)
     static constexpr int SUB = SSB_PIECE_STEPS;  // steps recomputed into registers at a time
     static constexpr int NSUB = S / SUB;
     static constexpr int P = S + 1;              // pitch of the per-(channel, step) rows
@@ -110,9 +107,9 @@ __device__ __forceinline__ int reduce_scatter_channels(float (&v)[8], int lane, 
 // g = 0 and records where it ends (g entering the part before) and the part's sum of dt (its decay
 // of an incoming g, exp(A * sum dt)). Otherwise block (tile, b, z) does part z, starting from the
 // g that the records of the parts after it carry in.
-template <typename T, typename TB, int TPC, bool kVaryingBC, bool kLocal>
+template <typename T, typename TB, int TPC, int kTileSteps, bool kVaryingBC, bool kLocal>
 __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdParams& q) {
-    using Sh = BwdShape<TPC>;
+    using Sh = BwdShape<TPC, kTileSteps>;
     constexpr int K = Sh::K, NMAX = Sh::NMAX, CB = Sh::CB, S = Sh::S, SUB = Sh::SUB, P = Sh::P;
     const SelectiveScanFwdParams& p = q.fwd;
     extern __shared__ __align__(16) float sm[];
@@ -534,20 +531,21 @@ __device__ __forceinline__ void selective_scan_bwd_reduce_params(const Selective
     }
 }
 
-// selective_scan_bwd_tiled[_local]_<T>_<TB>_tpc<TPC>_<varying|invariant>: kBwdThreads threads, a
-// (blocks of channels, batch, parts of the split) grid (parts - 1 for _local), BwdShape<TPC> shared
-// memory (the tile starts sized by the chunk's tiles).
-#define SSB_TILED_ONE(NAME, T, TB, TPC, VARYING, LOCAL)                                                          \
-    extern "C" __global__ void __launch_bounds__(kBwdThreads, SSB_MIN_BLOCKS) NAME(const SelectiveScanBwdParams q) { \
-        selective_scan_bwd_tiled<T, TB, TPC, VARYING, LOCAL>(q);                                                 \
+// selective_scan_bwd_tiled[_local]_<T>_<TB>_tpc<TPC>[_s16]_<varying|invariant>: kBwdThreads threads,
+// a (blocks of channels, batch, parts of the split) grid (parts - 1 for _local), BwdShape<TPC, 32 or
+// 16 (_s16)> shared memory (the tile starts sized by the chunk's tiles).
+#define SSB_TILED_ONE(NAME, T, TB, TPC, STEPS, MIN_BLOCKS, VARYING, LOCAL)                                       \
+    extern "C" __global__ void __launch_bounds__(kBwdThreads, MIN_BLOCKS) NAME(const SelectiveScanBwdParams q) { \
+        selective_scan_bwd_tiled<T, TB, TPC, STEPS, VARYING, LOCAL>(q);                                          \
     }
-#define SSB_TILED(T, TB, TPC)                                                                                    \
-    SSB_TILED_ONE(selective_scan_bwd_tiled_##T##_##TB##_tpc##TPC##_varying, T, TB, TPC, true, false)             \
-    SSB_TILED_ONE(selective_scan_bwd_tiled_##T##_##TB##_tpc##TPC##_invariant, T, TB, TPC, false, false)          \
-    SSB_TILED_ONE(selective_scan_bwd_tiled_local_##T##_##TB##_tpc##TPC##_varying, T, TB, TPC, true, true)        \
-    SSB_TILED_ONE(selective_scan_bwd_tiled_local_##T##_##TB##_tpc##TPC##_invariant, T, TB, TPC, false, true)
-#define SSB_ALL_TPC(T, TB) \
-    SSB_TILED(T, TB, 2) SSB_TILED(T, TB, 4) SSB_TILED(T, TB, 8) SSB_TILED(T, TB, 16) SSB_TILED(T, TB, 32)
+#define SSB_TILED(T, TB, TPC, SUFFIX, STEPS, MIN_BLOCKS)                                                                      \
+    SSB_TILED_ONE(selective_scan_bwd_tiled_##T##_##TB##_tpc##TPC##SUFFIX##_varying, T, TB, TPC, STEPS, MIN_BLOCKS, true, false)     \
+    SSB_TILED_ONE(selective_scan_bwd_tiled_##T##_##TB##_tpc##TPC##SUFFIX##_invariant, T, TB, TPC, STEPS, MIN_BLOCKS, false, false)  \
+    SSB_TILED_ONE(selective_scan_bwd_tiled_local_##T##_##TB##_tpc##TPC##SUFFIX##_varying, T, TB, TPC, STEPS, MIN_BLOCKS, true, true) \
+    SSB_TILED_ONE(selective_scan_bwd_tiled_local_##T##_##TB##_tpc##TPC##SUFFIX##_invariant, T, TB, TPC, STEPS, MIN_BLOCKS, false, true)
+#define SSB_ALL_TPC(T, TB)                                                                                  \
+    SSB_TILED(T, TB, 2, , 32, 2) SSB_TILED(T, TB, 4, , 32, 2) SSB_TILED(T, TB, 8, , 32, 2)                 \
+    SSB_TILED(T, TB, 16, , 32, 2) SSB_TILED(T, TB, 32, , 32, 2) SSB_TILED(T, TB, 2, _s16, 16, 4)
 // selective_scan_bwd_reduce_{bc,params}_<TB>: any 1-D launch (grid-stride loops).
 #define SSB_REDUCE(TB)                                                                                          \
     extern "C" __global__ void selective_scan_bwd_reduce_bc_##TB(const SelectiveScanBwdReduceParams r) {        \
