@@ -29,7 +29,7 @@ constexpr int kBwdWarps = kBwdThreads / 32;
 // Two tilings: 32-step tiles at two blocks per SM, any checkpoint_len; 16-step tiles at four blocks
 // per SM (128 registers), for dstate <= 16 and checkpoint_len 32, 8% faster there on the H100 (but
 // 31% slower at checkpoint_len 64, where a third of the tile starts no longer fit: BENCHMARKS.md).
-// src/ops/selective_scan/cuda_bwd.rs picks one and mirrors its shared-memory size.
+// bwd_tiling (src/ops/selective_scan/mod.rs) picks one; cuda_bwd.rs mirrors its shared memory.
 template <int TPC, int kTileSteps> struct BwdShape {
     static constexpr int K = 8;                  // states per thread
     static constexpr int NMAX = K * TPC;         // states per channel

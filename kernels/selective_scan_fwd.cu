@@ -153,7 +153,7 @@ template <typename T> struct Tile {
 // Where thread `i` reads and writes its share of a [channels x S steps] tile, as vectors of
 // E = 16 / sizeof(T) elements along the contiguous axis: with time contiguous ("bdl") vector v covers
 // steps (v % (S/E)) * E .. + E of row v / (S/E); with channels contiguous ("bld") it covers rows
-// (v % (128/E)) * E .. + E at step v / (128/E). v = k * 256 + i.
+// (v % (C/E)) * E .. + E at step v / (C/E), C = kTileChannels. v = k * kTiledThreads + i.
 template <typename T> struct TileMap {
     static constexpr int S = Tile<T>::kSteps, E = Tile<T>::kVecElems;
     int row[Tile<T>::kVecsPerThread], t[Tile<T>::kVecsPerThread];
