@@ -181,10 +181,7 @@ template <typename T> int run(const Cfg& cf) {
 
     int tpc = 2;
     while (tpc * 8 < N) tpc *= 2;
-    // The launcher's tiling (src/ops/selective_scan/mod.rs, bwd_tiling): 16-step tiles at four blocks
-    // per SM for dstate <= 16 and checkpoint_len 32, else 32; SSB_TILE_STEPS=32 forces the 32-step one.
-    const bool s16 = tpc == 2 && cf.ckl == 32 && !(getenv("SSB_TILE_STEPS") && atoi(getenv("SSB_TILE_STEPS")) == 32);
-    const int64_t split_target = (s16 ? 4 : 2) * 132;
+    const int64_t split_target = 2 * 132;  // two blocks per SM, as src/ops/selective_scan/mod.rs
     const int64_t CB = 128 / tpc, group_dim = varying ? dpg : D, tiles = (group_dim + CB - 1) / CB;
     // Sequence split, as src/ops/selective_scan/mod.rs plans it.
     const int64_t blocks = (D / std::max<int64_t>(group_dim, 1)) * tiles * Bt;
@@ -199,28 +196,25 @@ template <typename T> int run(const Cfg& cf) {
     const int64_t ws_floats = 2 * bc_part + n_split * (Bt * D * N + 2 * Bt * D) + (n_split - 1) * Bt * D * (N + 1);
     p.workspace = (float*)upload(std::vector<float>(std::max<int64_t>(ws_floats, 1), 0.f));
     p.chunk_len = part_len, p.n_chunks = n_split;
-    const int64_t tiles_per_chunk = cf.ckl / (s16 ? 16 : 32);
+    const int64_t tiles_per_chunk = cf.ckl / 32;
     int64_t shared_floats = 0;
-#define SHARED(TPCV, STEPS) \
-    shared_floats = BwdShape<TPCV, STEPS>::kTileStart + tiles_per_chunk * BwdShape<TPCV, STEPS>::kTileStartFloats;
-    if (s16) { SHARED(2, 16) }
-    else if (tpc == 2) { SHARED(2, 32) } else if (tpc == 4) { SHARED(4, 32) } else if (tpc == 8) { SHARED(8, 32) }
-    else if (tpc == 16) { SHARED(16, 32) } else { SHARED(32, 32) }
+#define SHARED(TPCV) shared_floats = BwdShape<TPCV>::kTileStart + tiles_per_chunk * BwdShape<TPCV>::kTileStartFloats;
+    if (tpc == 2) { SHARED(2) } else if (tpc == 4) { SHARED(4) } else if (tpc == 8) { SHARED(8) }
+    else if (tpc == 16) { SHARED(16) } else { SHARED(32) }
     const size_t shared = shared_floats * 4;
-    printf("tiles of %d steps\n", s16 ? 16 : 32);
 
     void (*kern)(const SelectiveScanBwdParams) = nullptr;
     void (*local)(const SelectiveScanBwdParams) = nullptr;
-#define PICK(TT, TPCV, SUFFIX)                                                                              \
+#define PICK(TT, TPCV)                                                                                      \
     {                                                                                                        \
-        kern = varying ? selective_scan_bwd_tiled_##TT##_##TT##_tpc##TPCV##SUFFIX##_varying                 \
-                       : selective_scan_bwd_tiled_##TT##_##TT##_tpc##TPCV##SUFFIX##_invariant;              \
-        local = varying ? selective_scan_bwd_tiled_local_##TT##_##TT##_tpc##TPCV##SUFFIX##_varying          \
-                        : selective_scan_bwd_tiled_local_##TT##_##TT##_tpc##TPCV##SUFFIX##_invariant;       \
+        kern = varying ? selective_scan_bwd_tiled_##TT##_##TT##_tpc##TPCV##_varying                         \
+                       : selective_scan_bwd_tiled_##TT##_##TT##_tpc##TPCV##_invariant;                      \
+        local = varying ? selective_scan_bwd_tiled_local_##TT##_##TT##_tpc##TPCV##_varying                  \
+                        : selective_scan_bwd_tiled_local_##TT##_##TT##_tpc##TPCV##_invariant;               \
     }
 #define PICK_ALL(TT)                                                                                         \
-    if (s16) PICK(TT, 2, _s16) else if (tpc == 2) PICK(TT, 2, ) else if (tpc == 4) PICK(TT, 4, )             \
-    else if (tpc == 8) PICK(TT, 8, ) else if (tpc == 16) PICK(TT, 16, ) else PICK(TT, 32, )
+    if (tpc == 2) PICK(TT, 2) else if (tpc == 4) PICK(TT, 4) else if (tpc == 8) PICK(TT, 8)                   \
+    else if (tpc == 16) PICK(TT, 16) else PICK(TT, 32)
     if (cf.bf) { PICK_ALL(bf16) } else { PICK_ALL(f32) }
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)));
     CK(cudaFuncSetAttribute(local, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)));

@@ -23,6 +23,11 @@ if [ "$mode" != time ]; then
   run check 2 256 300 16 1 bdl bf16 64 1 1 1 1 1 1
   run check 2 256 300 16 2 bld bf16 32 1 1 1 1 1 1
   run check 1 64 20 16 1 bdl f32 32 1 1 1 1 1 1
+  # 16-byte vector staging (seqlen, or the group's channels, a multiple of a vector), partial tiles
+  run check 2 200 296 16 1 bdl bf16 32 1 1 1 1 1 1
+  run check 2 272 104 16 2 bld bf16 32 1 1 1 1 1 1
+  run check 1 96 40 12 1 bld f32 32 1 1 1 1 1 1
+  run check 1 64 72 13 1 bdl bf16 64 1 1 1 1 1 1
   run check 1 64 0 16 1 bdl f32 32 1 1 1 1 1 1
 fi
 if [ "$mode" != check ]; then

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: builds bench/bwd_check.cu with several tuning-knob settings (in parallel), checks
 # each against the reference on a few shapes and times it on the main shape.
-#   bash bench/bwd_variants.sh "-DSSB_PIECE_STEPS=2" "..."  (SSB_TILE_STEPS=32 in the environment
-#   forces the 32-step tiling where the launcher would take the 16-step one)
+#   bash bench/bwd_variants.sh "-DSSB_PIECE_STEPS=2" "..."
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 i=0

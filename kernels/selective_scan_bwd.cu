@@ -26,20 +26,19 @@
 constexpr int kBwdThreads = 128;
 constexpr int kBwdWarps = kBwdThreads / 32;
 
-// Two tilings: 32-step tiles at two blocks per SM, any checkpoint_len; 16-step tiles at four blocks
-// per SM (128 registers), for dstate <= 16 and checkpoint_len 32, 8% faster there on the H100 (but
-// 31% slower at checkpoint_len 64, where a third of the tile starts no longer fit: BENCHMARKS.md).
-// bwd_tiling (src/ops/selective_scan/mod.rs) picks one; cuda_bwd.rs mirrors its shared memory.
-template <int TPC, int kTileSteps> struct BwdShape {
+// 32-step tiles at two blocks per SM. (16-step tiles at four blocks per SM, 128 registers, were 8%
+// faster at checkpoint_len 32 while the tiles were staged element by element; with 16-byte vectors
+// the 32-step tiles are faster at every shape measured: BENCHMARKS.md.)
+template <int TPC> struct BwdShape {
     static constexpr int K = 8;                  // states per thread
     static constexpr int NMAX = K * TPC;         // states per channel
     static constexpr int CB = kBwdThreads / TPC; // channels per block
-    static constexpr int S = kTileSteps;         // steps per tile (divides checkpoint_len)
+    static constexpr int S = 32;                 // steps per tile (divides checkpoint_len)
     static constexpr int SUB = SSB_PIECE_STEPS;  // steps recomputed into registers at a time
     static constexpr int NSUB = S / SUB;
     static constexpr int P = S + 1;              // pitch of the per-(channel, step) rows
     // Steps of dB/dC warp partials gathered before the block sums them.
-    static constexpr int FLUSH = NMAX <= 32 ? (S < 16 ? S : 16) : NMAX <= 64 ? 8 : 4;
+    static constexpr int FLUSH = NMAX <= 32 ? 16 : NMAX <= 64 ? 8 : 4;
     // Shared memory, in floats: five [CB][P] rows (u then du, dt then ddelta, softplus' derivative,
     // dy, dz's factor then dz); B and C [S][NMAX]; the piece starts [NSUB][K][threads]; the warps'
     // dB/dC partials [warps][FLUSH][2][NMAX]; then the tile starts [tiles][K][threads]. Two blocks
@@ -53,7 +52,37 @@ template <int TPC, int kTileSteps> struct BwdShape {
     static constexpr int kTileStartFloats = K * kBwdThreads;  // per tile of the chunk
 };
 
-__device__ __forceinline__ float sigmoid_fast(float x) { return __frcp_rn(1.f + ex2_ftz(-x * kLog2e)); }
+__device__ __forceinline__ float rcp_approx(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+// 1 / (1 + e^-x) on the special-function units (__frcp_rn's exact reciprocal took ~10 instructions
+// and a branch, in a per-element loop); 0 and 1 at the ends.
+__device__ __forceinline__ float sigmoid_fast(float x) { return rcp_approx(1.f + ex2_ftz(-x * kLog2e)); }
+
+// A [R rows][S steps] tile of a global array moved in 16-byte vectors of E elements along its
+// contiguous axis: vector v covers steps t..t+E of row r (steps contiguous) or rows r..r+E at step t.
+template <typename T, int R, int S> struct VecTile {
+    static constexpr int E = 16 / sizeof(T);
+    static constexpr int kCount = R * S / E;
+    static constexpr int kRowVecs = R >= E ? R / E : 1;  // (rows-contiguous tiles need R % E == 0)
+    // False for v past the tile.
+    static __device__ __forceinline__ bool at(int v, bool steps_contiguous, int& r, int& t) {
+        r = steps_contiguous ? v / (S / E) : (v % kRowVecs) * E;
+        t = steps_contiguous ? (v % (S / E)) * E : v / kRowVecs;
+        return kCount % kBwdThreads == 0 || v < kCount;
+    }
+    static __device__ __forceinline__ float get(const uint4& v, int e) { return to_f32(reinterpret_cast<const T*>(&v)[e]); }
+    // E floats from src[0], src[step], ... converted to T.
+    static __device__ __forceinline__ uint4 pack(const float* src, int step) {
+        uint4 v;
+        T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+        for (int j = 0; j < E; ++j) e[j] = from_f32<T>(src[j * step]);
+        return v;
+    }
+};
 
 template <int TPC> __device__ __forceinline__ float sum_channel(float x) {
 #pragma unroll
@@ -107,9 +136,9 @@ __device__ __forceinline__ int reduce_scatter_channels(float (&v)[8], int lane, 
 // g = 0 and records where it ends (g entering the part before) and the part's sum of dt (its decay
 // of an incoming g, exp(A * sum dt)). Otherwise block (tile, b, z) does part z, starting from the
 // g that the records of the parts after it carry in.
-template <typename T, typename TB, int TPC, int kTileSteps, bool kVaryingBC, bool kLocal>
+template <typename T, typename TB, int TPC, bool kVaryingBC, bool kLocal>
 __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdParams& q) {
-    using Sh = BwdShape<TPC, kTileSteps>;
+    using Sh = BwdShape<TPC>;
     constexpr int K = Sh::K, NMAX = Sh::NMAX, CB = Sh::CB, S = Sh::S, SUB = Sh::SUB, P = Sh::P;
     const SelectiveScanFwdParams& p = q.fwd;
     extern __shared__ __align__(16) float sm[];
@@ -145,6 +174,17 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
     const TB* C_g = static_cast<const TB*>(p.C);
     const bool time_contiguous = p.x_stride_seq == 1;
     const bool bc_time_contiguous = p.bc_stride_seq == 1;
+    // 16-byte vectors: aligned pointers, and every row, tile edge and stride a whole number of vectors.
+    auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
+    auto whole = [](int64_t x, int e) { return x % e == 0; };
+    constexpr int EX = 16 / sizeof(T), EB = 16 / sizeof(TB);
+    const bool vec_x = aligned(p.u) && aligned(p.delta) && aligned(q.dout) && aligned(p.z) && aligned(q.du) &&
+                       aligned(q.ddelta) && aligned(q.dz) && whole(p.x_stride_batch, EX) &&
+                       (time_contiguous ? whole(p.x_stride_dim, EX) && whole(L, EX)
+                                        : p.x_stride_dim == 1 && whole(p.x_stride_seq, EX) && whole(group_dim, EX) && whole(CB, EX));
+    const bool vec_bc = aligned(p.B) && aligned(p.C) && whole(p.bc_stride_batch, EB) && whole(p.bc_stride_group, EB) &&
+                        (bc_time_contiguous ? whole(p.bc_stride_state, EB) && whole(L, EB)
+                                            : p.bc_stride_state == 1 && whole(p.bc_stride_seq, EB) && whole(N, EB));
     const int64_t x_base = b * p.x_stride_batch + d0 * p.x_stride_dim;
     const int64_t bc_base = kVaryingBC ? b * p.bc_stride_batch + group * p.bc_stride_group : d * p.bc_stride_group;
     const bool softplus_on = p.delta_softplus != 0;
@@ -171,54 +211,111 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
 
     // Stages a tile's per-(channel, step) inputs and B/C (zeros outside the tile), all of them or
     // (forward_only) what a forward pass reads: u, dt, B. Every global load is issued before the
-    // first use, so that their latencies overlap.
-    auto stage = [&](int64_t l0, int steps, bool forward_only) {
-        constexpr int kItems = (CB * S + kBwdThreads - 1) / kBwdThreads;
-        T ru[kItems], rdelta[kItems], rz[kItems], rdout[kItems];
-        float rbias[kItems];
-#pragma unroll
-        for (int j = 0; j < kItems; ++j) {
-            const int i = j * kBwdThreads + tid;
-            const int r = time_contiguous ? i / S : i % CB;
-            const int t = time_contiguous ? i % S : i / CB;
-            const bool in = i < CB * S && r < rows && t < steps;
-            const int64_t xi = x_base + r * p.x_stride_dim + (l0 + t) * p.x_stride_seq;
-            const T zero = from_f32<T>(0.f);
-            ru[j] = in ? u_g[xi] : zero;
-            rdelta[j] = in ? delta_g[xi] : zero;
-            rbias[j] = in && p.delta_bias ? p.delta_bias[d0 + r] : 0.f;
-            if (!forward_only) {
-                rdout[j] = in ? dout_g[xi] : zero;
-                rz[j] = in && z_g ? z_g[xi] : zero;
-            }
+    // first use, so that their latencies overlap: 16-byte vectors along the contiguous axis where
+    // the shape allows it (vec_x, vec_bc), else single elements.
+    auto stage_element = [&](int r, int t, bool in, float u, float x, float dout, float zv, bool forward_only) {
+        // Outside the tile dt = 0 (decay 1, no input): the recompute may run past its end.
+        const float dt = !in ? 0.f : softplus_on ? softplus_fast(x) : x;
+        s_u[r * P + t] = u;
+        s_dt[r * P + t] = dt;
+        if (!forward_only) {
+            const float s = sigmoid_fast(zv);
+            s_sig[r * P + t] = softplus_on ? sigmoid_fast(x) : 1.f;
+            s_dy[r * P + t] = z_g ? dout * zv * s : dout;
+            s_dzf[r * P + t] = z_g ? dout * s * (1.f + zv * (1.f - s)) : 0.f;
         }
+    };
+    auto stage = [&](int64_t l0, int steps, bool forward_only) {
+        if (vec_x) {
+            using Tile = VecTile<T, CB, S>;
+            constexpr int kVecs = (Tile::kCount + kBwdThreads - 1) / kBwdThreads, E = Tile::E;
+            uint4 vu[kVecs], vdelta[kVecs], vdout[kVecs], vz[kVecs];
 #pragma unroll
-        for (int j = 0; j < kItems; ++j) {
-            const int i = j * kBwdThreads + tid;
-            const int r = time_contiguous ? i / S : i % CB;
-            const int t = time_contiguous ? i % S : i / CB;
-            if (CB * S % kBwdThreads != 0 && i >= CB * S) break;
-            const bool in = r < rows && t < steps;
-            const float x = to_f32(rdelta[j]) + rbias[j];
-            // Outside the tile dt = 0 (decay 1, no input): the recompute may run past its end.
-            const float dt = !in ? 0.f : softplus_on ? softplus_fast(x) : x;
-            s_u[r * P + t] = to_f32(ru[j]);
-            s_dt[r * P + t] = dt;
-            if (!forward_only) {
-                const float dout = to_f32(rdout[j]), zv = to_f32(rz[j]), s = sigmoid_fast(zv);
-                s_sig[r * P + t] = softplus_on ? sigmoid_fast(x) : 1.f;
-                s_dy[r * P + t] = z_g ? dout * zv * s : dout;
-                s_dzf[r * P + t] = z_g ? dout * s * (1.f + zv * (1.f - s)) : 0.f;
+            for (int j = 0; j < kVecs; ++j) {
+                int r, t;
+                const bool in = Tile::at(j * kBwdThreads + tid, time_contiguous, r, t) && r < rows && t < steps;
+                const int64_t xi = x_base + r * p.x_stride_dim + (l0 + t) * p.x_stride_seq;
+                const uint4 zero = make_uint4(0, 0, 0, 0);
+                vu[j] = in ? __ldg(reinterpret_cast<const uint4*>(u_g + xi)) : zero;
+                vdelta[j] = in ? __ldg(reinterpret_cast<const uint4*>(delta_g + xi)) : zero;
+                if (!forward_only) {
+                    vdout[j] = in ? __ldg(reinterpret_cast<const uint4*>(dout_g + xi)) : zero;
+                    vz[j] = in && z_g ? __ldg(reinterpret_cast<const uint4*>(z_g + xi)) : zero;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < kVecs; ++j) {
+                int r0, t0;
+                if (!Tile::at(j * kBwdThreads + tid, time_contiguous, r0, t0)) break;
+                const bool in = r0 < rows && t0 < steps;  // whole vectors: the shape is a multiple of E
+                const float* bias_row = in && p.delta_bias ? p.delta_bias + d0 + r0 : nullptr;
+                const float bias0 = bias_row ? bias_row[0] : 0.f;
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    const int r = time_contiguous ? r0 : r0 + e, t = time_contiguous ? t0 + e : t0;
+                    const float bias = time_contiguous || !bias_row ? bias0 : bias_row[e];
+                    stage_element(r, t, in, Tile::get(vu[j], e), Tile::get(vdelta[j], e) + bias, Tile::get(vdout[j], e),
+                                  Tile::get(vz[j], e), forward_only);
+                }
+            }
+        } else {
+            constexpr int kItems = (CB * S + kBwdThreads - 1) / kBwdThreads;
+            T ru[kItems], rdelta[kItems], rz[kItems], rdout[kItems];
+            float rbias[kItems];
+#pragma unroll
+            for (int j = 0; j < kItems; ++j) {
+                const int i = j * kBwdThreads + tid;
+                const int r = time_contiguous ? i / S : i % CB;
+                const int t = time_contiguous ? i % S : i / CB;
+                const bool in = i < CB * S && r < rows && t < steps;
+                const int64_t xi = x_base + r * p.x_stride_dim + (l0 + t) * p.x_stride_seq;
+                const T zero = from_f32<T>(0.f);
+                ru[j] = in ? u_g[xi] : zero;
+                rdelta[j] = in ? delta_g[xi] : zero;
+                rbias[j] = in && p.delta_bias ? p.delta_bias[d0 + r] : 0.f;
+                if (!forward_only) {
+                    rdout[j] = in ? dout_g[xi] : zero;
+                    rz[j] = in && z_g ? z_g[xi] : zero;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < kItems; ++j) {
+                const int i = j * kBwdThreads + tid;
+                const int r = time_contiguous ? i / S : i % CB;
+                const int t = time_contiguous ? i % S : i / CB;
+                if (CB * S % kBwdThreads != 0 && i >= CB * S) break;
+                stage_element(r, t, r < rows && t < steps, to_f32(ru[j]), to_f32(rdelta[j]) + rbias[j], to_f32(rdout[j]),
+                              to_f32(rz[j]), forward_only);
             }
         }
         if constexpr (kVaryingBC) {
-            for (int i = tid; i < S * NMAX; i += kBwdThreads) {
-                const int n = bc_time_contiguous ? i / S : i % NMAX;
-                const int t = bc_time_contiguous ? i % S : i / NMAX;
-                const bool in = n < N && t < steps;
-                const int64_t gi = bc_base + n * p.bc_stride_state + (l0 + t) * p.bc_stride_seq;
-                s_B[t * NMAX + n] = in ? to_f32(B_g[gi]) : 0.f;
-                if (!forward_only) s_C[t * NMAX + n] = in ? to_f32(C_g[gi]) : 0.f;
+            if (vec_bc) {
+                using Tile = VecTile<TB, NMAX, S>;
+                constexpr int E = Tile::E;
+                for (int v = tid; v < Tile::kCount; v += kBwdThreads) {
+                    int n0v, t0;
+                    Tile::at(v, bc_time_contiguous, n0v, t0);
+                    const bool in = n0v < N && t0 < steps;
+                    const int64_t gi = bc_base + n0v * p.bc_stride_state + (l0 + t0) * p.bc_stride_seq;
+                    const uint4 zero = make_uint4(0, 0, 0, 0);
+                    const uint4 vb = in ? __ldg(reinterpret_cast<const uint4*>(B_g + gi)) : zero;
+                    const uint4 vc = in && !forward_only ? __ldg(reinterpret_cast<const uint4*>(C_g + gi)) : zero;
+#pragma unroll
+                    for (int e = 0; e < E; ++e) {
+                        const int at = bc_time_contiguous ? (t0 + e) * NMAX + n0v : t0 * NMAX + n0v + e;
+                        s_B[at] = Tile::get(vb, e);
+                        if (!forward_only) s_C[at] = Tile::get(vc, e);
+                    }
+                }
+            } else {
+                for (int i = tid; i < S * NMAX; i += kBwdThreads) {
+                    const int n = bc_time_contiguous ? i / S : i % NMAX;
+                    const int t = bc_time_contiguous ? i % S : i / NMAX;
+                    const bool in = n < N && t < steps;
+                    const int64_t gi = bc_base + n * p.bc_stride_state + (l0 + t) * p.bc_stride_seq;
+                    s_B[t * NMAX + n] = in ? to_f32(B_g[gi]) : 0.f;
+                    if (!forward_only) s_C[t * NMAX + n] = in ? to_f32(C_g[gi]) : 0.f;
+                }
             }
         }
     };
@@ -437,14 +534,28 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
             T* du_g = static_cast<T*>(q.du);
             T* ddelta_g = static_cast<T*>(q.ddelta);
             T* dz_g = static_cast<T*>(q.dz);
-            for (int i = tid; i < CB * S; i += kBwdThreads) {
-                const int r = time_contiguous ? i / S : i % CB;
-                const int t = time_contiguous ? i % S : i / CB;
-                if (r >= rows || t >= steps) continue;
-                const int64_t xi = x_base + r * p.x_stride_dim + (l0 + t) * p.x_stride_seq;
-                du_g[xi] = from_f32<T>(s_u[r * P + t]);
-                ddelta_g[xi] = from_f32<T>(s_dt[r * P + t]);
-                if (dz_g) dz_g[xi] = from_f32<T>(s_dzf[r * P + t]);
+            if (vec_x) {
+                using Tile = VecTile<T, CB, S>;
+                for (int v = tid; v < Tile::kCount; v += kBwdThreads) {
+                    int r0, t0;
+                    Tile::at(v, time_contiguous, r0, t0);
+                    if (r0 >= rows || t0 >= steps) continue;
+                    const int64_t xi = x_base + r0 * p.x_stride_dim + (l0 + t0) * p.x_stride_seq;
+                    const int at = r0 * P + t0, step = time_contiguous ? 1 : P;  // element e at at + e * step
+                    *reinterpret_cast<uint4*>(du_g + xi) = Tile::pack(s_u + at, step);
+                    *reinterpret_cast<uint4*>(ddelta_g + xi) = Tile::pack(s_dt + at, step);
+                    if (dz_g) *reinterpret_cast<uint4*>(dz_g + xi) = Tile::pack(s_dzf + at, step);
+                }
+            } else {
+                for (int i = tid; i < CB * S; i += kBwdThreads) {
+                    const int r = time_contiguous ? i / S : i % CB;
+                    const int t = time_contiguous ? i % S : i / CB;
+                    if (r >= rows || t >= steps) continue;
+                    const int64_t xi = x_base + r * p.x_stride_dim + (l0 + t) * p.x_stride_seq;
+                    du_g[xi] = from_f32<T>(s_u[r * P + t]);
+                    ddelta_g[xi] = from_f32<T>(s_dt[r * P + t]);
+                    if (dz_g) dz_g[xi] = from_f32<T>(s_dzf[r * P + t]);
+                }
             }
         }
     }
@@ -531,21 +642,20 @@ __device__ __forceinline__ void selective_scan_bwd_reduce_params(const Selective
     }
 }
 
-// selective_scan_bwd_tiled[_local]_<T>_<TB>_tpc<TPC>[_s16]_<varying|invariant>: kBwdThreads threads,
-// a (blocks of channels, batch, parts of the split) grid (parts - 1 for _local), BwdShape<TPC, 32 or
-// 16 (_s16)> shared memory (the tile starts sized by the chunk's tiles).
-#define SSB_TILED_ONE(NAME, T, TB, TPC, STEPS, MIN_BLOCKS, VARYING, LOCAL)                                       \
-    extern "C" __global__ void __launch_bounds__(kBwdThreads, MIN_BLOCKS) NAME(const SelectiveScanBwdParams q) { \
-        selective_scan_bwd_tiled<T, TB, TPC, STEPS, VARYING, LOCAL>(q);                                          \
+// selective_scan_bwd_tiled[_local]_<T>_<TB>_tpc<TPC>_<varying|invariant>: kBwdThreads threads, a
+// (blocks of channels, batch, parts of the split) grid (parts - 1 for _local), BwdShape<TPC> shared
+// memory (the tile starts sized by the chunk's tiles).
+#define SSB_TILED_ONE(NAME, T, TB, TPC, VARYING, LOCAL)                                             \
+    extern "C" __global__ void __launch_bounds__(kBwdThreads, 2) NAME(const SelectiveScanBwdParams q) { \
+        selective_scan_bwd_tiled<T, TB, TPC, VARYING, LOCAL>(q);                                    \
     }
-#define SSB_TILED(T, TB, TPC, SUFFIX, STEPS, MIN_BLOCKS)                                                                      \
-    SSB_TILED_ONE(selective_scan_bwd_tiled_##T##_##TB##_tpc##TPC##SUFFIX##_varying, T, TB, TPC, STEPS, MIN_BLOCKS, true, false)     \
-    SSB_TILED_ONE(selective_scan_bwd_tiled_##T##_##TB##_tpc##TPC##SUFFIX##_invariant, T, TB, TPC, STEPS, MIN_BLOCKS, false, false)  \
-    SSB_TILED_ONE(selective_scan_bwd_tiled_local_##T##_##TB##_tpc##TPC##SUFFIX##_varying, T, TB, TPC, STEPS, MIN_BLOCKS, true, true) \
-    SSB_TILED_ONE(selective_scan_bwd_tiled_local_##T##_##TB##_tpc##TPC##SUFFIX##_invariant, T, TB, TPC, STEPS, MIN_BLOCKS, false, true)
-#define SSB_ALL_TPC(T, TB)                                                                                  \
-    SSB_TILED(T, TB, 2, , 32, 2) SSB_TILED(T, TB, 4, , 32, 2) SSB_TILED(T, TB, 8, , 32, 2)                 \
-    SSB_TILED(T, TB, 16, , 32, 2) SSB_TILED(T, TB, 32, , 32, 2) SSB_TILED(T, TB, 2, _s16, 16, 4)
+#define SSB_TILED(T, TB, TPC)                                                                                    \
+    SSB_TILED_ONE(selective_scan_bwd_tiled_##T##_##TB##_tpc##TPC##_varying, T, TB, TPC, true, false)             \
+    SSB_TILED_ONE(selective_scan_bwd_tiled_##T##_##TB##_tpc##TPC##_invariant, T, TB, TPC, false, false)          \
+    SSB_TILED_ONE(selective_scan_bwd_tiled_local_##T##_##TB##_tpc##TPC##_varying, T, TB, TPC, true, true)        \
+    SSB_TILED_ONE(selective_scan_bwd_tiled_local_##T##_##TB##_tpc##TPC##_invariant, T, TB, TPC, false, true)
+#define SSB_ALL_TPC(T, TB) \
+    SSB_TILED(T, TB, 2) SSB_TILED(T, TB, 4) SSB_TILED(T, TB, 8) SSB_TILED(T, TB, 16) SSB_TILED(T, TB, 32)
 // selective_scan_bwd_reduce_{bc,params}_<TB>: any 1-D launch (grid-stride loops).
 #define SSB_REDUCE(TB)                                                                                          \
     extern "C" __global__ void selective_scan_bwd_reduce_bc_##TB(const SelectiveScanBwdReduceParams r) {        \

@@ -203,7 +203,8 @@ const DTYPES: [(Dt, Dt); 5] =
 
 /// Small cases of every kind: odd seqlens, seqlen below checkpoint_len, groups narrower and wider
 /// than a block, time-invariant B/C, dstate 1..256, partial channel tiles, every optional operand
-/// and dtype, checkpoint_len 32..256 (32 at dstate <= 16 takes the kernel's 16-step tiling).
+/// and dtype, checkpoint_len 32..256; seqlens and channel counts that take the kernel's 16-byte
+/// vector staging and ones that take its element-wise staging.
 fn matrix() -> Vec<(Case, usize, bool)> {
     let mut cases = Vec::new();
     let mut i = 0usize;

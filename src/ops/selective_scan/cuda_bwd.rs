@@ -26,14 +26,14 @@ struct BwdReduceParams {
     _reserved: i32,
 }
 
-/// Dynamic shared memory of the tiled kernel: mirror of `BwdShape<TPC, steps>` (the kernel traps
-/// when given less than it needs).
-fn shared_bytes(threads_per_channel: i64, steps: i64, tiles_per_chunk: i64) -> u32 {
-    let (states, piece, pitch) = (8, 4, steps + 1);
+/// Dynamic shared memory of the tiled kernel: mirror of `BwdShape<TPC>` (the kernel traps when
+/// given less than it needs).
+fn shared_bytes(threads_per_channel: i64, tiles_per_chunk: i64) -> u32 {
+    let (states, steps, piece, pitch) = (8, TILE_STEPS, 4, TILE_STEPS + 1);
     let nmax = states * threads_per_channel;
     let channels = THREADS as i64 / threads_per_channel;
     let flush = if nmax <= 32 {
-        steps.min(16)
+        16
     } else if nmax <= 64 {
         8
     } else {
@@ -63,13 +63,11 @@ pub(super) fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
         return Err(Error::invalid("selective_scan_bwd: result `workspace`: must be 4-byte aligned"));
     }
     let tpc = layout.threads_per_channel;
-    let steps = layout.tile_steps;
-    let tiling = if steps == TILE_STEPS { "" } else { "_s16" };
     // The state entering each tile of a chunk is kept in shared memory.
-    let shared = shared_bytes(tpc, steps, p.checkpoint_len / steps);
+    let shared = shared_bytes(tpc, p.checkpoint_len / TILE_STEPS);
     if shared > MAX_SHARED_BYTES {
-        let per_tile = shared_bytes(tpc, TILE_STEPS, 1) - shared_bytes(tpc, TILE_STEPS, 0);
-        let most = (MAX_SHARED_BYTES - shared_bytes(tpc, TILE_STEPS, 0)) / per_tile * TILE_STEPS as u32;
+        let per_tile = shared_bytes(tpc, 1) - shared_bytes(tpc, 0);
+        let most = (MAX_SHARED_BYTES - shared_bytes(tpc, 0)) / per_tile * TILE_STEPS as u32;
         return Err(Error::invalid(format!(
             "selective_scan_bwd: attribute `checkpoint_len`: the CUDA backward takes at most {most} at dstate {}, \
              got {}",
@@ -82,7 +80,7 @@ pub(super) fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
         ..bwd.params
     };
     let form = if bwd.bc_time_varying { "varying" } else { "invariant" };
-    let types = format!("{}_{}_tpc{tpc}{tiling}_{form}", bwd.dtype.name(), bwd.bc_dtype.name());
+    let types = format!("{}_{}_tpc{tpc}_{form}", bwd.dtype.name(), bwd.bc_dtype.name());
     let tiled = |parts: i64| LaunchConfig {
         grid: (layout.blocks_per_row as u64, p.batch as u64, parts as u64),
         block: THREADS,

@@ -195,8 +195,6 @@ pub(super) const BWD_THREADS: i64 = 128;
 pub struct BwdLayout {
     /// Threads per channel, 8 states each: a power of two from 2 to 32.
     pub threads_per_channel: i64,
-    /// Steps per tile of the kernel's two tilings ([`bwd_tiling`]).
-    pub tile_steps: i64,
     /// Blocks per batch row: each takes up to 128 / threads_per_channel channels of one group.
     pub blocks_per_row: i64,
     pub tiles_per_group: i64,
@@ -210,16 +208,8 @@ pub struct BwdLayout {
     pub floats: i64,
 }
 
-/// The CUDA backward's tiling (kernels/selective_scan_bwd.cu): (steps per tile, blocks per
-/// multiprocessor). 16-step tiles at four blocks for dstate <= 16 at checkpoint_len 32 (and 0, the
-/// workspace's sizing for any checkpoint_len: this one splits the most), else 32-step tiles at two.
-pub fn bwd_tiling(threads_per_channel: i64, checkpoint_len: i64) -> (i64, i64) {
-    if threads_per_channel == 2 && checkpoint_len <= CHECKPOINT_MULTIPLE {
-        (16, 4)
-    } else {
-        (CHECKPOINT_MULTIPLE, 2)
-    }
-}
+/// Blocks of the CUDA backward per multiprocessor (its launch bounds), which its split aims to fill.
+const BWD_BLOCKS_PER_SM: i64 = 2;
 
 /// The CUDA backward's blocking for a shape (`groups` = 0: time-invariant B/C). Without a
 /// `checkpoint_len` (0) the split is sized for the most parts any checkpoint_len could give, which
@@ -231,8 +221,7 @@ pub fn bwd_layout(batch: i64, dim: i64, seqlen: i64, dstate: i64, groups: i64, c
     let tiles_per_group = (group_dim + channels - 1) / channels;
     let blocks = n_groups * tiles_per_group * batch;
     // As the forward: a small batch x dim leaves the GPU idle, so the sequence is cut into parts.
-    let (tile_steps, blocks_per_sm) = bwd_tiling(threads_per_channel, checkpoint_len);
-    let target = blocks_per_sm * SPLIT_SMS;
+    let target = BWD_BLOCKS_PER_SM * SPLIT_SMS;
     let chunks = n_checkpoints(seqlen, if checkpoint_len > 0 { checkpoint_len } else { CHECKPOINT_MULTIPLE });
     let (n_split, part_len) = if blocks == 0 || 2 * blocks >= target || chunks < 2 {
         (1, chunks * checkpoint_len.max(CHECKPOINT_MULTIPLE))
@@ -246,7 +235,6 @@ pub fn bwd_layout(batch: i64, dim: i64, seqlen: i64, dstate: i64, groups: i64, c
         if groups > 0 { batch * groups * tiles_per_group * seqlen * dstate } else { n_split * rows * dstate };
     BwdLayout {
         threads_per_channel,
-        tile_steps,
         blocks_per_row: n_groups * tiles_per_group,
         tiles_per_group,
         n_split,
