@@ -73,4 +73,5 @@ pub fn expect_nonnull(t: &Tensor, what: &str) -> Result<()> {
 pub mod args;
 pub mod conv1d;
 pub mod mamba_decode;
+pub(crate) mod pool;
 pub mod state_update;
