@@ -12,7 +12,7 @@ pub mod ssd;
 /// Where an operation runs.
 #[derive(Debug, Clone, Copy)]
 pub enum Platform {
-    /// Host memory, this thread (plus worker threads the operation spawns and joins).
+    /// Host memory, this thread (plus the library's worker threads, which the call waits for).
     Cpu,
     /// Device memory; enqueued on this `CUstream` (null: the legacy default stream).
     Cuda { stream: *mut c_void },

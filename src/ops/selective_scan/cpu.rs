@@ -63,8 +63,8 @@ const LANE_BC_FLOATS: usize = 1 << 16;
 /// stay in cache between calls, where the prefetch instructions only cost time).
 const PREFETCH_BYTES: usize = 8 << 20;
 
-/// Below this many updates one thread is faster than starting others (a thread start costs tens of
-/// microseconds; one core does several updates per nanosecond).
+/// Below this many updates one thread is faster than sharing the work (waking a pool worker takes
+/// microseconds, tens when it sleeps; one core does several updates per nanosecond).
 pub(super) const PARALLEL_WORK: usize = 1 << 19;
 
 // ------------------------------------------------------------------------------------ lanes
