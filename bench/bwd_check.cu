@@ -201,6 +201,20 @@ template <typename T> int run(const Cfg& cf) {
 #define SHARED(TPCV) shared_floats = BwdShape<TPCV>::kTileStart + tiles_per_chunk * BwdShape<TPCV>::kTileStartFloats;
     if (tpc == 2) { SHARED(2) } else if (tpc == 4) { SHARED(4) } else if (tpc == 8) { SHARED(8) }
     else if (tpc == 16) { SHARED(16) } else { SHARED(32) }
+    int64_t raw_bytes = 0;
+#define RAW(TT, TPCV) raw_bytes = varying ? RawTile<TT, TT, TPCV, true>::kBytes : RawTile<TT, TT, TPCV, false>::kBytes;
+#define RAW_ALL(TT)                                                                                        \
+    if (tpc == 2) { RAW(TT, 2) } else if (tpc == 4) { RAW(TT, 4) } else if (tpc == 8) { RAW(TT, 8) }        \
+    else if (tpc == 16) { RAW(TT, 16) } else { RAW(TT, 32) }
+    if (cf.bf) { RAW_ALL(bf16) } else { RAW_ALL(f32) }
+    // The library's rule (cuda_bwd.rs): room for the next tile's raw copy when it costs no block per
+    // SM. SSB_NO_COPY_AHEAD=1 leaves it out (to time both in one run).
+    int sm_shared = 0, reserved = 0;
+    CK(cudaDeviceGetAttribute(&sm_shared, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
+    CK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, 0));
+    auto blocks_per_sm = [&](int64_t bytes) { return std::min<int64_t>(2, sm_shared / (bytes + reserved)); };
+    const bool no_copy_ahead = getenv("SSB_NO_COPY_AHEAD") && atoi(getenv("SSB_NO_COPY_AHEAD"));
+    if (!no_copy_ahead && blocks_per_sm(shared_floats * 4 + raw_bytes) >= blocks_per_sm(shared_floats * 4)) shared_floats += raw_bytes / 4;
     const size_t shared = shared_floats * 4;
 
     void (*kern)(const SelectiveScanBwdParams) = nullptr;

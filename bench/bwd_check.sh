@@ -29,6 +29,10 @@ if [ "$mode" != time ]; then
   run check 1 96 40 12 1 bld f32 32 1 1 1 1 1 1
   run check 1 64 72 13 1 bdl bf16 64 1 1 1 1 1 1
   run check 1 64 0 16 1 bdl f32 32 1 1 1 1 1 1
+  # the next tile copied ahead (2-byte inputs): a partial last tile behind a forward pass, a split sequence
+  run check 2 256 304 16 1 bdl bf16 64 1 1 1 1 1 1
+  run check 1 128 2000 16 1 bld bf16 32 1 1 1 1 1 1
+  run check 1 128 520 16 0 bdl bf16 32 1 1 1 1 1 1
 fi
 if [ "$mode" != check ]; then
   run time 8 4096 2048 16 1 bdl bf16 32 1 1 1 1 0 0

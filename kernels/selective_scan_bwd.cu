@@ -13,10 +13,11 @@
 // in shared memory, and across blocks by a second kernel; sums over the batch (dA, dD, ddelta_bias,
 // time-invariant dB/dC) by that kernel too. Every sum has a fixed order: the gradients are bitwise
 // deterministic. Two exponentials per (step, state) (the tile's forward pass and the recompute),
-// plus a part of one for chunks longer than a tile. When batch x dim gives too few blocks to fill the
-// GPU, the sequence is split in parts scanned in parallel: a first pass runs the g recurrence alone
-// per part (one exponential per (step, state)) and records where it ends, and each part's block
-// carries the true g in from the records of the parts after it.
+// plus a part of one for chunks longer than a tile. The next tile's inputs and the next chunk's
+// checkpoint travel into shared memory by cp.async while a tile is computed (RawTile). When batch x
+// dim gives too few blocks to fill the GPU, the sequence is split in parts scanned in parallel: a
+// first pass runs the g recurrence alone per part (one exponential per (step, state)) and records
+// where it ends, and each part's block carries the true g in from the records of the parts after it.
 #include "selective_scan.cuh"
 
 // Tuning knob (bench/bwd_variants.sh builds variants with -D).
@@ -41,15 +42,28 @@ template <int TPC> struct BwdShape {
     static constexpr int FLUSH = NMAX <= 32 ? 16 : NMAX <= 64 ? 8 : 4;
     // Shared memory, in floats: five [CB][P] rows (u then du, dt then ddelta, softplus' derivative,
     // dy, dz's factor then dz); B and C [S][NMAX]; the piece starts [NSUB][K][threads]; the warps'
-    // dB/dC partials [warps][FLUSH][2][NMAX]; then the tile starts [tiles][K][threads]. Two blocks
-    // fit an SM for checkpoint_len <= 64 at dstate <= 16. (Smaller variants, bf16 rows and sigmoid
-    // recomputed from dt, let three blocks fit only with register spills: slower, BENCHMARKS.md.)
+    // dB/dC partials [warps][FLUSH][2][NMAX]; then the tile starts [tiles][K][threads]; then, when
+    // the launch gives room for it, the next tile's raw inputs (RawTile). Two blocks fit an SM for
+    // checkpoint_len <= 64 at dstate <= 16, raw tile included for 2-byte inputs. (Smaller variants,
+    // bf16 rows and sigmoid recomputed from dt, let three blocks fit only with register spills:
+    // slower, BENCHMARKS.md.)
     static constexpr int kU = 0, kDt = kU + CB * P, kSig = kDt + CB * P, kDy = kSig + CB * P, kDzf = kDy + CB * P;
     static constexpr int kB = kDzf + CB * P, kC = kB + S * NMAX;
     static constexpr int kPiece = kC + S * NMAX;
     static constexpr int kWarpSums = kPiece + NSUB * K * kBwdThreads;
     static constexpr int kTileStart = kWarpSums + kBwdWarps * FLUSH * 2 * NMAX;
     static constexpr int kTileStartFloats = K * kBwdThreads;  // per tile of the chunk
+};
+
+// The next tile's inputs as they are in global memory, copied in by cp.async while this tile is
+// computed (its staging then reads shared memory, not HBM): u, delta, dout, z [CB x S], then
+// time-varying B and C [S x NMAX], in the 16-byte vectors of VecTile, vector v at index v. Mirror:
+// `raw_tile_bytes` in src/ops/selective_scan/cuda_bwd.rs.
+template <typename T, typename TB, int TPC, bool kVaryingBC> struct RawTile {
+    using Sh = BwdShape<TPC>;
+    static constexpr int kX = Sh::CB * Sh::S * sizeof(T) / 16;                   // vectors per x tensor
+    static constexpr int kBC = kVaryingBC ? Sh::S * Sh::NMAX * sizeof(TB) / 16 : 0;  // per B/C
+    static constexpr int kBytes = (4 * kX + 2 * kBC) * 16;
 };
 
 __device__ __forceinline__ float rcp_approx(float x) {
@@ -149,7 +163,10 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
     // The launch sizes shared memory for the chunk's tiles; a mismatch must fail, not corrupt.
     uint32_t shared_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(shared_bytes));
-    if (shared_bytes < (Sh::kTileStart + (p.checkpoint_len + S - 1) / S * Sh::kTileStartFloats) * sizeof(float)) __trap();
+    const uint32_t base_bytes = (Sh::kTileStart + (p.checkpoint_len + S - 1) / S * Sh::kTileStartFloats) * sizeof(float);
+    if (shared_bytes < base_bytes) __trap();
+    using Raw = RawTile<T, TB, TPC, kVaryingBC>;
+    uint4* raw = reinterpret_cast<uint4*>(sm) + base_bytes / 16;  // [4][Raw::kX] x, then [2][Raw::kBC] B/C
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int c = tid / TPC, thread_part = tid % TPC, n0 = thread_part * K;
@@ -188,6 +205,8 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
     const int64_t x_base = b * p.x_stride_batch + d0 * p.x_stride_dim;
     const int64_t bc_base = kVaryingBC ? b * p.bc_stride_batch + group * p.bc_stride_group : d * p.bc_stride_group;
     const bool softplus_on = p.delta_softplus != 0;
+    // The next tile is copied ahead when the launch made room for it and it moves in whole vectors.
+    const bool copy_ahead = shared_bytes >= base_bytes + Raw::kBytes && vec_x && (!kVaryingBC || vec_bc);
     const float skip = active && p.D ? p.D[d] : 0.f;
 
     bool valid[K];
@@ -225,7 +244,40 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
             s_dzf[r * P + t] = z_g ? dout * s * (1.f + zv * (1.f - s)) : 0.f;
         }
     };
+    // The tile that is being copied ahead (l0 < 0: none).
+    int64_t ahead_l0 = -1;
+    int ahead_steps = 0;
+    auto copy_tile_ahead = [&](int64_t l0, int steps) {
+        if (!copy_ahead) return;
+        using Tile = VecTile<T, CB, S>;
+        const T* xs[4] = {u_g, delta_g, dout_g, z_g};
+        for (int v = tid; v < Tile::kCount; v += kBwdThreads) {
+            int r, t;
+            Tile::at(v, time_contiguous, r, t);
+            const bool in = r < rows && t < steps;
+            const int64_t xi = in ? x_base + r * p.x_stride_dim + (l0 + t) * p.x_stride_seq : 0;
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                if (xs[i]) cp_async16(raw + i * Raw::kX + v, xs[i] + xi, in);
+        }
+        if constexpr (kVaryingBC) {
+            using BCTile = VecTile<TB, NMAX, S>;
+            for (int v = tid; v < BCTile::kCount; v += kBwdThreads) {
+                int n, t;
+                BCTile::at(v, bc_time_contiguous, n, t);
+                const bool in = n < N && t < steps;
+                const int64_t gi = in ? bc_base + n * p.bc_stride_state + (l0 + t) * p.bc_stride_seq : 0;
+                cp_async16(raw + 4 * Raw::kX + v, B_g + gi, in);
+                cp_async16(raw + 4 * Raw::kX + Raw::kBC + v, C_g + gi, in);
+            }
+        }
+        ahead_l0 = l0, ahead_steps = steps;
+    };
     auto stage = [&](int64_t l0, int steps, bool forward_only) {
+        // This thread's copies (each thread reads back only the vectors it copied).
+        const bool from_raw = ahead_l0 == l0 && ahead_steps == steps;
+        if (ahead_l0 >= 0) cp_async_wait_all();
+        ahead_l0 = -1;
         if (vec_x) {
             using Tile = VecTile<T, CB, S>;
             constexpr int kVecs = (Tile::kCount + kBwdThreads - 1) / kBwdThreads, E = Tile::E;
@@ -236,12 +288,14 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                 const bool in = Tile::at(j * kBwdThreads + tid, time_contiguous, r, t) && r < rows && t < steps;
                 const int64_t xi = x_base + r * p.x_stride_dim + (l0 + t) * p.x_stride_seq;
                 const uint4 zero = make_uint4(0, 0, 0, 0);
-                vu[j] = in ? __ldg(reinterpret_cast<const uint4*>(u_g + xi)) : zero;
-                vdelta[j] = in ? __ldg(reinterpret_cast<const uint4*>(delta_g + xi)) : zero;
-                if (!forward_only) {
-                    vdout[j] = in ? __ldg(reinterpret_cast<const uint4*>(dout_g + xi)) : zero;
-                    vz[j] = in && z_g ? __ldg(reinterpret_cast<const uint4*>(z_g + xi)) : zero;
-                }
+                const int v = j * kBwdThreads + tid;
+                auto load = [&](const T* g, int i) {
+                    if (from_raw) return v < Tile::kCount && g ? raw[i * Raw::kX + v] : zero;
+                    return in && g ? __ldg(reinterpret_cast<const uint4*>(g + xi)) : zero;
+                };
+                vu[j] = load(u_g, 0);
+                vdelta[j] = load(delta_g, 1);
+                if (!forward_only) vdout[j] = load(dout_g, 2), vz[j] = load(z_g, 3);
             }
 #pragma unroll
             for (int j = 0; j < kVecs; ++j) {
@@ -298,8 +352,11 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                     const bool in = n0v < N && t0 < steps;
                     const int64_t gi = bc_base + n0v * p.bc_stride_state + (l0 + t0) * p.bc_stride_seq;
                     const uint4 zero = make_uint4(0, 0, 0, 0);
-                    const uint4 vb = in ? __ldg(reinterpret_cast<const uint4*>(B_g + gi)) : zero;
-                    const uint4 vc = in && !forward_only ? __ldg(reinterpret_cast<const uint4*>(C_g + gi)) : zero;
+                    const uint4 vb = from_raw ? raw[4 * Raw::kX + v] : in ? __ldg(reinterpret_cast<const uint4*>(B_g + gi)) : zero;
+                    const uint4 vc = forward_only ? zero
+                                     : from_raw ? raw[4 * Raw::kX + Raw::kBC + v]
+                                     : in       ? __ldg(reinterpret_cast<const uint4*>(C_g + gi))
+                                                : zero;
 #pragma unroll
                     for (int e = 0; e < E; ++e) {
                         const int at = bc_time_contiguous ? (t0 + e) * NMAX + n0v : t0 * NMAX + n0v + e;
@@ -377,6 +434,7 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
             __syncthreads();
             stage(l0, steps, false);
             __syncthreads();
+            if (l0 - S >= l_begin) copy_tile_ahead(l0 - S, S);
             for (int t = steps - 1; t >= 0; --t) {
                 const float dt = s_dt[c * P + t], dy = s_dy[c * P + t];
                 float Bt[K], Ct[K];
@@ -403,12 +461,16 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
     }
 
     const float* checkpoints = p.checkpoints + (b * p.dim + d) * n_checkpoints * N;
+    bool checkpoint_ahead = false;  // this chunk's checkpoint copied into the first tile start's slot
     for (int64_t chunk = ck_end - 1; chunk >= ck_begin; --chunk) {
         const int64_t c_begin = chunk * p.checkpoint_len, c_end = min(L, c_begin + p.checkpoint_len);
         const int tiles = int((c_end - c_begin + S - 1) / S);
         float h[K];
+        if (checkpoint_ahead) cp_async_wait_all();
 #pragma unroll
-        for (int k = 0; k < K; ++k) h[k] = valid[k] ? checkpoints[chunk * N + n0 + (k ^ perm)] : 0.f;
+        for (int k = 0; k < K; ++k)
+            h[k] = checkpoint_ahead ? s_tile[k * kBwdThreads + tid] : valid[k] ? checkpoints[chunk * N + n0 + (k ^ perm)] : 0.f;
+        checkpoint_ahead = false;
         // The state entering each tile of the chunk.
         for (int tile = 0; tile < tiles; ++tile) {
 #pragma unroll
@@ -418,6 +480,7 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
             __syncthreads();
             stage(l0, S, true);
             __syncthreads();
+            copy_tile_ahead(l0 + S, int(min(int64_t(S), c_end - l0 - S)));  // the next forward pass or the last tile
             for (int t = 0; t < S; ++t) step_forward(t, h);
         }
 
@@ -427,6 +490,10 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
             __syncthreads();
             stage(l0, steps, false);
             __syncthreads();
+            // What is staged next: the tile before, or the chunk before's first (its forward pass,
+            // or its only tile; every chunk but the last is whole).
+            if (tile > 0) copy_tile_ahead(l0 - S, S);
+            else if (chunk > ck_begin) copy_tile_ahead(c_begin - p.checkpoint_len, S);
             // The state entering each piece of the tile.
 #pragma unroll
             for (int k = 0; k < K; ++k) h[k] = s_tile[(tile * K + k) * kBwdThreads + tid];
@@ -436,6 +503,13 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
 #pragma unroll
                 for (int i = 0; i < SUB; ++i)
                     if (piece * SUB + i < steps) step_forward(piece * SUB + i, h);
+            }
+            if (tile == 0 && chunk > ck_begin) {
+                // The chunk before's checkpoint, into the slot read above (its values used since).
+#pragma unroll
+                for (int k = 0; k < K; ++k)
+                    cp_async4(s_tile + k * kBwdThreads + tid, checkpoints + (valid[k] ? (chunk - 1) * N + n0 + (k ^ perm) : 0), valid[k]);
+                checkpoint_ahead = true;
             }
 
             for (int piece = (steps - 1) / SUB; piece >= 0; --piece) {

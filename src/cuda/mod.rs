@@ -161,6 +161,27 @@ fn function(ctx: sys::CUcontext, module: &'static str, kernel: &str, shared_byte
     Ok(f)
 }
 
+/// Shared memory of one multiprocessor of the stream's device, and what the driver reserves of it
+/// per resident block (bytes): what decides how many blocks of a kernel an SM holds.
+pub fn sm_shared_memory(stream: *mut c_void) -> Result<(u32, u32)> {
+    driver()?;
+    let ctx = stream_context(stream as sys::CUstream)?;
+    let _current = ContextGuard::push(ctx)?;
+    let mut device: sys::CUdevice = 0;
+    // SAFETY: plain queries in the current context.
+    check(unsafe { sys::cuCtxGetDevice(&mut device) }, "cuCtxGetDevice")?;
+    let attribute = |which: sys::CUdevice_attribute| -> Result<u32> {
+        let mut value = 0;
+        check(unsafe { sys::cuDeviceGetAttribute(&mut value, which, device) }, "cuDeviceGetAttribute")?;
+        Ok(value.max(0) as u32)
+    };
+    use sys::CUdevice_attribute::*;
+    Ok((
+        attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?,
+        attribute(CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK)?,
+    ))
+}
+
 /// How to launch a kernel: an (x, y, z) grid of 1-D blocks and their dynamic shared memory.
 #[derive(Debug, Clone, Copy)]
 pub struct LaunchConfig {

@@ -3,7 +3,7 @@
 //! order (so the gradients are bitwise deterministic).
 
 use super::{bwd_layout, Bwd, BwdParams, FwdParams, BWD_THREADS, CHECKPOINT_MULTIPLE as TILE_STEPS};
-use crate::cuda::{launch, LaunchConfig};
+use crate::cuda::{launch, sm_shared_memory, LaunchConfig};
 use crate::error::{Error, Result};
 use std::ffi::c_void;
 
@@ -11,6 +11,8 @@ const THREADS: u32 = BWD_THREADS as u32;
 const REDUCE_THREADS: u32 = 256;
 /// Grid-stride reductions: enough blocks to fill an H100 a few times over.
 const REDUCE_MAX_BLOCKS: i64 = 4096;
+/// Blocks of the tiled kernel an SM can hold: its launch bounds' registers allow two.
+const MAX_BLOCKS_PER_SM: u32 = 2;
 /// The most dynamic shared memory a block may have on any GPU (sm_90's opt-in limit; smaller GPUs
 /// refuse less at launch, with the driver's message).
 const MAX_SHARED_BYTES: u32 = 227 * 1024;
@@ -48,6 +50,15 @@ fn shared_bytes(threads_per_channel: i64, tiles_per_chunk: i64) -> u32 {
     (floats * 4) as u32
 }
 
+/// Shared memory for the next tile's inputs as they are in global memory, which the kernel copies in
+/// ahead (cp.async) while it computes a tile: mirror of `RawTile` (u, delta, dout, z, then
+/// time-varying B and C).
+fn raw_tile_bytes(bwd: &Bwd, threads_per_channel: i64) -> u32 {
+    let (steps, channels, nmax) = (TILE_STEPS, THREADS as i64 / threads_per_channel, 8 * threads_per_channel);
+    let bc = if bwd.bc_time_varying { 2 * steps * nmax * bwd.bc_dtype.size_bytes() } else { 0 };
+    (4 * channels * steps * bwd.dtype.size_bytes() + bc) as u32
+}
+
 pub(super) fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
     let p = &bwd.params.fwd;
     let layout = bwd_layout(p.batch, p.dim, p.seqlen, p.dstate, bwd.groups, p.checkpoint_len);
@@ -74,6 +85,16 @@ pub(super) fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
             p.dstate, p.checkpoint_len
         )));
     }
+    // Room for the copy ahead only where it costs no block per SM (the kernel copies ahead when given
+    // the room: at dstate 16, bf16 and f16 inputs on an H100, not f32).
+    let (sm_shared, reserved) = sm_shared_memory(stream)?;
+    let blocks_per_sm = |bytes: u32| (sm_shared / (bytes + reserved)).min(MAX_BLOCKS_PER_SM);
+    let with_raw = shared + raw_tile_bytes(bwd, tpc);
+    let shared = if with_raw <= MAX_SHARED_BYTES && blocks_per_sm(with_raw) >= blocks_per_sm(shared) {
+        with_raw
+    } else {
+        shared
+    };
     // The sequence split rides in the forward's split fields: parts of chunk_len steps.
     let params = BwdParams {
         fwd: FwdParams { chunk_len: layout.part_len, n_chunks: layout.n_split, ..bwd.params.fwd },
