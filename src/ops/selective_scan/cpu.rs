@@ -24,9 +24,9 @@
 //!   once and in address order, and scratch does not grow with `seqlen`. A block's state waits in
 //!   scratch between chunks.
 //! - **Threads over blocks.** Threads (as many as cores: the calling one and persistent workers of
-//!   [`pool`]) take segments of
-//!   consecutive blocks from a shared counter, so a late or slowed thread takes fewer; each writes
-//!   only its own channels. Scratch is kept per calling thread and reused across calls.
+//!   [`pool`]) take segments of consecutive blocks from a shared counter, so a late or slowed thread
+//!   takes fewer; each writes only its own channels. Scratch is kept per calling thread and reused
+//!   across calls.
 //! - **Checkpoints** (for the backward pass, cpu_bwd.rs): chunks never cross a multiple of
 //!   `checkpoint_len`, so that a block's state at a chunk's start is the checkpoint when one is due.
 //! - **Runtime ISA choice.** The same generic code is compiled three times: AVX-512 (16 lanes),
