@@ -45,6 +45,8 @@ def parse_args(argv=None):
                    help="wall-clock budget: past it, optional baselines are skipped (default 330)")
     p.add_argument("--no-baselines", action="store_true", help="time only our implementation")
     p.add_argument("--no-sweep", action="store_true", help="GPU: skip the batch sweep")
+    p.add_argument("--dstate", type=int, default=16,
+                   help="GPU: the shapes (and sweep) at this dstate; the official kernel's figures are for 16")
     p.add_argument("--dry-run", action="store_true",
                    help="GPU mode's code path on whatever device jax has, with tiny shapes (tests the harness)")
     return p.parse_args(argv)
@@ -588,6 +590,9 @@ def run_gpu(args):
         GPU_SHAPES = [MAIN, (1, 32, 256, 16)]
         SWEEP_BATCHES, SWEEP_SHAPE = [1, 2, 4], (64, 128, 16)
         OFFICIAL_US[MAIN] = 1168
+    if args.dstate != 16:
+        with_dstate = lambda shape: (*shape[:-1], args.dstate)
+        MAIN, GPU_SHAPES, SWEEP_SHAPE = with_dstate(MAIN), [with_dstate(s) for s in GPU_SHAPES], with_dstate(SWEEP_SHAPE)
     if not devs:
         log(f"no GPU in jax (backend {jax.default_backend()}, devices {jax.devices()}); "
             "--device gpu needs jax with CUDA (pip install 'jax[cuda13]')")

@@ -33,6 +33,9 @@ if [ "$mode" != time ]; then
   run check 2 256 304 16 1 bdl bf16 64 1 1 1 1 1 1
   run check 1 128 2000 16 1 bld bf16 32 1 1 1 1 1 1
   run check 1 128 520 16 0 bdl bf16 32 1 1 1 1 1 1
+  # dstate 64 and 128 with 2-byte B/C staged in vectors (their swizzled shared rows)
+  run check 2 128 160 64 1 bdl bf16 32 1 1 1 1 1 1
+  run check 1 64 96 128 2 bld bf16 32 1 1 1 1 1 1
 fi
 if [ "$mode" != check ]; then
   run time 8 4096 2048 16 1 bdl bf16 32 1 1 1 1 0 0
@@ -41,6 +44,7 @@ if [ "$mode" != check ]; then
   run time 1 1536 2048 16 1 bdl bf16 64 1 1 1 1 0 0
   run time 1 1536 2048 16 1 bdl bf16 32 1 1 1 1 0 0
   run time 8 4096 2048 16 0 bdl bf16 64 1 1 1 1 0 0
+  run time 8 4096 2048 64 1 bdl bf16 32 1 1 1 1 0 0
 fi
 echo "failures: $fails"
 exit $((fails > 0))

@@ -65,36 +65,50 @@ int main(int argc, char** argv) {
     p.delta_softplus = 1;
     p.chunk_len = L, p.n_chunks = 1;
     // The sequence split of src/ops/selective_scan/mod.rs (split_plan) for small batch x dim.
+    const int tpc = N <= 16 ? 2 : N <= 32 ? 4 : 8;  // tiled_threads_per_channel
+    if (N > 64) return fprintf(stderr, "the tiled kernel takes dstate <= 64\n"), 2;
     SelectiveScanFwdParams ps = p;
     const int64_t tiles = B * ((D + kTileChannels - 1) / kTileChannels), target = 4 * 132;
     if (2 * tiles < target && L >= 128) {
         const int64_t chunks = std::min((target + tiles - 1) / tiles, L / 64);
         ps.chunk_len = ((L + chunks - 1) / chunks + 31) / 32 * 32;
         ps.n_chunks = (L + ps.chunk_len - 1) / ps.chunk_len;
-        CHECK(cudaMalloc(&ps.workspace, (ps.n_chunks - 1) * B * D * kChunkRecord * 4));
+        CHECK(cudaMalloc(&ps.workspace, (ps.n_chunks - 1) * B * D * (8 * tpc + 1) * 4));
     }
 
     // Reference: the lanes kernel.
     SelectiveScanFwdParams pr = p;
     pr.out = out_ref;
-    const int ns = N <= 8 ? 1 : N <= 16 ? 2 : 4;
+    const int ns = N <= 8 ? 1 : N <= 16 ? 2 : N <= 32 ? 4 : 8;
     const int64_t lane_threads = B * D * ns;
     auto lanes = [&] {
         const unsigned grid = unsigned((lane_threads + 127) / 128);
         if (ns == 1) selective_scan_fwd_lanes_bf16_bf16_ns1<<<grid, 128>>>(pr);
         else if (ns == 2) selective_scan_fwd_lanes_bf16_bf16_ns2<<<grid, 128>>>(pr);
-        else selective_scan_fwd_lanes_bf16_bf16_ns4<<<grid, 128>>>(pr);
+        else if (ns == 4) selective_scan_fwd_lanes_bf16_bf16_ns4<<<grid, 128>>>(pr);
+        else selective_scan_fwd_lanes_bf16_bf16_ns8<<<grid, 128>>>(pr);
     };
-    const int smem = Tile<bf16>::kSharedBytes;
-    CHECK(cudaFuncSetAttribute(selective_scan_fwd_tiled_bf16_bf16_varying, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    CHECK(cudaFuncSetAttribute(selective_scan_fwd_tiled_local_bf16_bf16_varying, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    auto tiled = [&] {
+    // The tiled kernel's pair of launches (local pass, final pass) at TPC threads per channel.
+    auto launch_tiled = [&](auto local_kernel, auto kernel, int threads, int smem) {
+        CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        CHECK(cudaFuncSetAttribute(local_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         dim3 grid(unsigned((D + kTileChannels - 1) / kTileChannels), unsigned(B), unsigned(ps.n_chunks));
         if (ps.n_chunks > 1) {
             dim3 local(grid.x, grid.y, grid.z - 1);
-            selective_scan_fwd_tiled_local_bf16_bf16_varying<<<local, kTiledThreads, smem>>>(ps);
+            local_kernel<<<local, threads, smem>>>(ps);
         }
-        selective_scan_fwd_tiled_bf16_bf16_varying<<<grid, kTiledThreads, smem>>>(ps);
+        kernel<<<grid, threads, smem>>>(ps);
+    };
+    auto tiled = [&] {
+        if (tpc == 2)
+            launch_tiled(selective_scan_fwd_tiled_local_bf16_bf16_tpc2_varying, selective_scan_fwd_tiled_bf16_bf16_tpc2_varying,
+                         Tiled<2>::kThreads, Tile<bf16, 2>::kSharedBytes);
+        else if (tpc == 4)
+            launch_tiled(selective_scan_fwd_tiled_local_bf16_bf16_tpc4_varying, selective_scan_fwd_tiled_bf16_bf16_tpc4_varying,
+                         Tiled<4>::kThreads, Tile<bf16, 4>::kSharedBytes);
+        else
+            launch_tiled(selective_scan_fwd_tiled_local_bf16_bf16_tpc8_varying, selective_scan_fwd_tiled_bf16_bf16_tpc8_varying,
+                         Tiled<8>::kThreads, Tile<bf16, 8>::kSharedBytes);
     };
     cudaEvent_t e0, e1;
     CHECK(cudaEventCreate(&e0)); CHECK(cudaEventCreate(&e1));

@@ -359,7 +359,7 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                                                 : zero;
 #pragma unroll
                     for (int e = 0; e < E; ++e) {
-                        const int at = bc_time_contiguous ? (t0 + e) * NMAX + n0v : t0 * NMAX + n0v + e;
+                        const int at = bc_swizzle<NMAX>(bc_time_contiguous ? (t0 + e) * NMAX + n0v : t0 * NMAX + n0v + e);
                         s_B[at] = Tile::get(vb, e);
                         if (!forward_only) s_C[at] = Tile::get(vc, e);
                     }
@@ -370,8 +370,8 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                     const int t = bc_time_contiguous ? i % S : i / NMAX;
                     const bool in = n < N && t < steps;
                     const int64_t gi = bc_base + n * p.bc_stride_state + (l0 + t) * p.bc_stride_seq;
-                    s_B[t * NMAX + n] = in ? to_f32(B_g[gi]) : 0.f;
-                    if (!forward_only) s_C[t * NMAX + n] = in ? to_f32(C_g[gi]) : 0.f;
+                    s_B[bc_swizzle<NMAX>(t * NMAX + n)] = in ? to_f32(B_g[gi]) : 0.f;
+                    if (!forward_only) s_C[bc_swizzle<NMAX>(t * NMAX + n)] = in ? to_f32(C_g[gi]) : 0.f;
                 }
             }
         }
@@ -382,7 +382,7 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
         if constexpr (kVaryingBC) {
 #pragma unroll
             for (int q4 = 0; q4 < K / 4; ++q4) {
-                const int at = bc_row + t * NMAX + 4 * (q4 ^ (perm >> 2));
+                const int at = bc_swizzle<NMAX>(bc_row + t * NMAX + 4 * (q4 ^ (perm >> 2)));
                 const float4 bv = *reinterpret_cast<const float4*>(s_B + at);
                 Bt[4 * q4] = bv.x, Bt[4 * q4 + 1] = bv.y, Bt[4 * q4 + 2] = bv.z, Bt[4 * q4 + 3] = bv.w;
                 if (with_c) {

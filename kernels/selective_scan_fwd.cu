@@ -105,76 +105,87 @@ SSF_ALL_NS(f16, f16)
 SSF_ALL_NS(f16, f32)
 
 // ---------------------------------------------------------------------------------------------
-// Tiled kernel for dstate <= 16 and many channels. A block scans 64 channels of one batch row with
-// 128 threads: two per channel, each holding 8 of its states in registers, so the per-element work
-// is the recurrence alone and a step ends with one shuffle. The sequence goes through in tiles of S
-// steps: u, delta and z pass through shared memory (coalesced 16-byte global accesses in either
-// layout; the next tile's loads are in flight in registers while this one is computed), dt =
-// softplus(delta + bias) and the gate silu(z) are computed once per tile for all its steps (the
-// independent work, off the recurrence's critical path), and B/C (one group per block) are staged as
-// f32 and read by broadcast. The exponentials bound the kernel (special-function units); some of
-// them can run on the FMA pipes (SSF_POLY_STATES per thread).
+// Tiled kernel for dstate <= 64 and many channels. A block scans 64 channels of one batch row with
+// TPC threads per channel (2, 4 or 8: dstate <= 16, 32, 64), each holding 8 of its states in
+// registers, so the per-element work is the recurrence alone and a step ends with log2(TPC)
+// shuffles. The sequence goes through in tiles of S steps: u, delta and z pass through shared
+// memory (coalesced 16-byte global accesses in either layout; the next tile's loads are in flight in
+// registers while this one is computed), dt = softplus(delta + bias) and the gate silu(z) are
+// computed once per tile for all its steps (the independent work, off the recurrence's critical
+// path), and B/C (one group per block) are staged as f32 and read by broadcast. Per-thread work is
+// the same at every TPC: a larger dstate means more threads per block (128, 256, 512), not more
+// registers. The exponentials bound the kernel (special-function units); some of them can run on
+// the FMA pipes (SSF_POLY_STATES per thread).
 
 // Tuning knobs (bench/fwd_variants.sh builds variants with -D to compare them on a GPU).
 #ifndef SSF_POLY_STATES
 #define SSF_POLY_STATES 0
 #endif
-#ifndef SSF_THREADS_PER_CHANNEL
-#define SSF_THREADS_PER_CHANNEL 2
-#endif
-// Channels per block: 64 (four blocks per SM, 128 registers a thread) ran 1-20% faster than 128
-// (two per SM) at every shape measured, channel-last most (BENCHMARKS.md).
+// Channels per block: 64 (four blocks per SM at two threads per channel, 128 registers a thread) ran
+// 1-20% faster than 128 (two per SM) at every shape measured, channel-last most (BENCHMARKS.md).
 #ifndef SSF_TILE_CHANNELS
 #define SSF_TILE_CHANNELS 64
 #endif
-#ifndef SSF_MIN_BLOCKS  // blocks per SM the registers must allow
+#ifndef SSF_MIN_BLOCKS  // blocks of 128 threads per SM the registers must allow
 #define SSF_MIN_BLOCKS 4
 #endif
 constexpr int kTileChannels = SSF_TILE_CHANNELS;
-constexpr int kThreadsPerChannel = SSF_THREADS_PER_CHANNEL;
-constexpr int kTiledThreads = kTileChannels * kThreadsPerChannel;
-constexpr int kTiledStates = 16;
-constexpr int kThreadStates = kTiledStates / kThreadsPerChannel;
+constexpr int kThreadStates = 8;
 constexpr int kPolyStates = SSF_POLY_STATES;
+
+// Threads per channel TPC: states per channel and threads per block.
+template <int TPC> struct Tiled {
+    static constexpr int kStates = kThreadStates * TPC;  // largest dstate
+    static constexpr int kThreads = kTileChannels * TPC;
+    // Floats per (chunk, batch, channel) in the workspace: the chunk's end state from zero, then its
+    // sum of dt (which gives the chunk's decay of an incoming state, exp(A * sum dt)).
+    static constexpr int kChunkRecord = kStates + 1;
+};
 
 // S steps per tile (64 bytes of a row), and row pitches of an odd number of 4-byte words, so that
 // threads reading one step of different rows hit different banks.
-template <typename T> struct Tile {
+template <typename T, int TPC> struct Tile {
     static constexpr int kSteps = 64 / sizeof(T);
     static constexpr int kPitch = kSteps + 4 / sizeof(T);  // elements of T: 17 words
     static constexpr int kPitchF32 = kSteps + 1;           // f32 rows
     static constexpr int kVecElems = 16 / sizeof(T);       // per 16-byte vector
-    static constexpr int kVecsPerThread = kTileChannels * kSteps / kVecElems / kTiledThreads;  // 2
+    static constexpr int kVecs = kTileChannels * kSteps / kVecElems;  // per tensor tile
+    static constexpr int kThreads = Tiled<TPC>::kThreads;
+    static constexpr int kVecsPerThread = (kVecs + kThreads - 1) / kThreads;  // 2, 1, 1 (TPC 8: half the threads)
     // Dynamic shared memory: u (then out), delta, z tiles; f32 dt and gate; f32 B and C.
-    static constexpr int kSharedBytes =
-        3 * kTileChannels * kPitch * sizeof(T) + 2 * kTileChannels * kPitchF32 * 4 + 2 * kSteps * kTiledStates * 4;
+    static constexpr int kSharedBytes = 3 * kTileChannels * kPitch * sizeof(T) + 2 * kTileChannels * kPitchF32 * 4 +
+                                        2 * kSteps * Tiled<TPC>::kStates * 4;
 };
 
 // Where thread `i` reads and writes its share of a [channels x S steps] tile, as vectors of
 // E = 16 / sizeof(T) elements along the contiguous axis: with time contiguous ("bdl") vector v covers
 // steps (v % (S/E)) * E .. + E of row v / (S/E); with channels contiguous ("bld") it covers rows
-// (v % (C/E)) * E .. + E at step v / (C/E), C = kTileChannels. v = k * kTiledThreads + i.
-template <typename T> struct TileMap {
-    static constexpr int S = Tile<T>::kSteps, E = Tile<T>::kVecElems;
-    int row[Tile<T>::kVecsPerThread], t[Tile<T>::kVecsPerThread];
+// (v % (C/E)) * E .. + E at step v / (C/E), C = kTileChannels. v = k * threads + i; a v past the tile
+// gets row C (outside every tile's rows: never loaded or stored).
+template <typename T, int TPC> struct TileMap {
+    using Tl = Tile<T, TPC>;
+    static constexpr int S = Tl::kSteps, E = Tl::kVecElems;
+    int row[Tl::kVecsPerThread], t[Tl::kVecsPerThread];
     __device__ __forceinline__ TileMap(bool time_contiguous) {
 #pragma unroll
-        for (int k = 0; k < Tile<T>::kVecsPerThread; ++k) {
-            const int v = k * kTiledThreads + threadIdx.x;
+        for (int k = 0; k < Tl::kVecsPerThread; ++k) {
+            const int v = k * Tl::kThreads + threadIdx.x;
             row[k] = time_contiguous ? v / (S / E) : (v % (kTileChannels / E)) * E;
             t[k] = time_contiguous ? (v % (S / E)) * E : v / (kTileChannels / E);
+            if (Tl::kVecs % Tl::kThreads != 0 && v >= Tl::kVecs) row[k] = kTileChannels, t[k] = 0;
         }
     }
 };
 
 // One tensor's tile in flight: vectors loaded from global memory, later unpacked into shared memory.
-template <typename T> struct TileRegs {
-    uint4 v[Tile<T>::kVecsPerThread];
+template <typename T, int TPC> struct TileRegs {
+    using Tl = Tile<T, TPC>;
+    uint4 v[Tl::kVecsPerThread];
 
-    __device__ __forceinline__ void load(const T* g, const SelectiveScanFwdParams& p, const TileMap<T>& m,
+    __device__ __forceinline__ void load(const T* g, const SelectiveScanFwdParams& p, const TileMap<T, TPC>& m,
                                          int64_t base, int64_t l0, int rows, int steps) {
 #pragma unroll
-        for (int k = 0; k < Tile<T>::kVecsPerThread; ++k) {
+        for (int k = 0; k < Tl::kVecsPerThread; ++k) {
             const bool in = m.row[k] < rows && m.t[k] < steps;
             const int64_t at = base + m.row[k] * p.x_stride_dim + (l0 + m.t[k]) * p.x_stride_seq;
             v[k] = in ? __ldg(reinterpret_cast<const uint4*>(g + at)) : make_uint4(0, 0, 0, 0);
@@ -183,10 +194,11 @@ template <typename T> struct TileRegs {
 
     // Unpacks into tile[row * P + t]: whole 4-byte words along the steps (time contiguous), else
     // single elements down the rows.
-    __device__ __forceinline__ void store_shared(T* tile, const TileMap<T>& m, bool time_contiguous) const {
-        constexpr int P = Tile<T>::kPitch, E = Tile<T>::kVecElems;
+    __device__ __forceinline__ void store_shared(T* tile, const TileMap<T, TPC>& m, bool time_contiguous) const {
+        constexpr int P = Tl::kPitch, E = Tl::kVecElems;
 #pragma unroll
-        for (int k = 0; k < Tile<T>::kVecsPerThread; ++k) {
+        for (int k = 0; k < Tl::kVecsPerThread; ++k) {
+            if (Tl::kVecs % Tl::kThreads != 0 && m.row[k] >= kTileChannels) continue;  // past the tile
             if (time_contiguous) {
                 uint32_t* w = reinterpret_cast<uint32_t*>(tile + m.row[k] * P + m.t[k]);
                 w[0] = v[k].x, w[1] = v[k].y, w[2] = v[k].z, w[3] = v[k].w;
@@ -200,12 +212,12 @@ template <typename T> struct TileRegs {
 };
 
 // Writes the output tile from shared memory with 16-byte global stores.
-template <typename T>
-__device__ __forceinline__ void store_tile(T* g, const T* tile, const SelectiveScanFwdParams& p, const TileMap<T>& m,
+template <typename T, int TPC>
+__device__ __forceinline__ void store_tile(T* g, const T* tile, const SelectiveScanFwdParams& p, const TileMap<T, TPC>& m,
                                            bool time_contiguous, int64_t base, int64_t l0, int rows, int steps) {
-    constexpr int P = Tile<T>::kPitch, E = Tile<T>::kVecElems;
+    constexpr int P = Tile<T, TPC>::kPitch, E = Tile<T, TPC>::kVecElems;
 #pragma unroll
-    for (int k = 0; k < Tile<T>::kVecsPerThread; ++k) {
+    for (int k = 0; k < Tile<T, TPC>::kVecsPerThread; ++k) {
         if (!(m.row[k] < rows && m.t[k] < steps)) continue;
         uint4 v;
         if (time_contiguous) {
@@ -220,19 +232,17 @@ __device__ __forceinline__ void store_tile(T* g, const T* tile, const SelectiveS
     }
 }
 
-// Floats per (chunk, batch, channel) in the workspace: the chunk's end state from zero, then its
-// sum of dt (which gives the chunk's decay of an incoming state, exp(A * sum dt)).
-constexpr int kChunkRecord = kTiledStates + 1;
-
 // kLocal: the first pass of a sequence split. Block (tile, b, chunk) scans its chunk from a zero
 // state and records only the end state and the sum of dt. Otherwise the block starts from the
 // initial state carried through the records of the chunks before it, and writes the output
 // (one chunk covering the whole sequence when there is no split).
-template <typename T, typename TB, bool kVaryingBC, bool kLocal>
+template <typename T, typename TB, int TPC, bool kVaryingBC, bool kLocal>
 __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdParams& p) {
-    constexpr int N = kTiledStates, K = kThreadStates, S = Tile<T>::kSteps, P = Tile<T>::kPitch;
-    constexpr int PF = Tile<T>::kPitchF32;
-    constexpr int kBCPerThread = kVaryingBC ? (S * N + kTiledThreads - 1) / kTiledThreads : 1;
+    using Tl = Tile<T, TPC>;
+    constexpr int N = Tiled<TPC>::kStates, K = kThreadStates, S = Tl::kSteps, P = Tl::kPitch, PF = Tl::kPitchF32;
+    constexpr int kThreads = Tiled<TPC>::kThreads, kChunkRecord = Tiled<TPC>::kChunkRecord;
+    // S * N / kThreads = S / 8 at every TPC.
+    constexpr int kBCPerThread = kVaryingBC ? (S * N + kThreads - 1) / kThreads : 1;
     extern __shared__ __align__(16) unsigned char shared[];
     float* s_B = reinterpret_cast<float*>(shared);  // [S][N]
     float* s_C = s_B + S * N;
@@ -242,8 +252,8 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     T* s_delta = s_u + kTileChannels * P;
     T* s_z = s_delta + kTileChannels * P;
 
-    const int c = threadIdx.x / kThreadsPerChannel;  // channel in the tile
-    const int part = threadIdx.x % kThreadsPerChannel;
+    const int c = threadIdx.x / TPC;  // channel in the tile
+    const int part = threadIdx.x % TPC;
     const int n0 = part * K;  // first of this thread's states
     const int64_t b = blockIdx.y;
     const int64_t d0 = int64_t(blockIdx.x) * kTileChannels;
@@ -278,7 +288,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
         // Carry the state through the chunks before this one: h = exp(A * sum dt) * h + end state.
         const float* prior = p.workspace + (b * p.dim + d) * kChunkRecord;
         for (int64_t j = 0; j < chunk; ++j, prior += record_stride) {
-            const float dt_sum = prior[kTiledStates];
+            const float dt_sum = prior[N];
 #pragma unroll
             for (int k = 0; k < K; ++k) h[k] = fmaf(ex2_ftz(dt_sum * a2[k]), h[k], prior[n0 + k]);
         }
@@ -293,13 +303,13 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     const T* delta = static_cast<const T*>(p.delta);
     const T* z = static_cast<const T*>(p.z);
     T* out = static_cast<T*>(p.out);
-    const TileMap<T> map(time_contiguous);
+    const TileMap<T, TPC> map(time_contiguous);
 
     // The next tile, in flight while the current one is computed.
-    TileRegs<T> next_u, next_delta, next_z;
+    TileRegs<T, TPC> next_u, next_delta, next_z;
     TB next_B[kBCPerThread], next_C[kBCPerThread];
     auto bc_index = [&](int k, int& n, int& t) {
-        const int i = k * kTiledThreads + threadIdx.x;
+        const int i = k * kThreads + threadIdx.x;
         n = bc_time_contiguous ? i / S : i % N;
         t = bc_time_contiguous ? i % S : i / N;
     };
@@ -313,7 +323,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             for (int k = 0; k < kBCPerThread; ++k) {
                 int n, t;
                 bc_index(k, n, t);
-                const bool in = n < p.dstate && t < steps && k * kTiledThreads + int(threadIdx.x) < S * N;
+                const bool in = n < p.dstate && t < steps && k * kThreads + int(threadIdx.x) < S * N;
                 const int64_t g = bc_base + n * p.bc_stride_state + (l0 + t) * p.bc_stride_seq;
                 next_B[k] = in ? Bm[g] : from_f32<TB>(0.f);
                 next_C[k] = in ? Cm[g] : from_f32<TB>(0.f);
@@ -346,18 +356,18 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             for (int k = 0; k < kBCPerThread; ++k) {
                 int n, t;
                 bc_index(k, n, t);
-                if (k * kTiledThreads + int(threadIdx.x) >= S * N) break;
-                s_B[t * N + n] = to_f32(next_B[k]);
-                s_C[t * N + n] = to_f32(next_C[k]);
+                if (k * kThreads + int(threadIdx.x) >= S * N) break;
+                s_B[bc_swizzle<N>(t * N + n)] = to_f32(next_B[k]);
+                s_C[bc_swizzle<N>(t * N + n)] = to_f32(next_C[k]);
             }
         }
         __syncthreads();
         if (l0 + S < l_end) fetch(l0 + S);
 
-        // Per-step scalars of this tile, all independent: the channel's two threads split the steps.
+        // Per-step scalars of this tile, all independent: the channel's threads split the steps.
 #pragma unroll 4
-        for (int j = 0; j < S / kThreadsPerChannel; ++j) {
-            const int t = j * kThreadsPerChannel + part;
+        for (int j = 0; j < S / TPC; ++j) {
+            const int t = j * TPC + part;
             float dt = to_f32(s_delta[c * P + t]) + bias;
             if (p.delta_softplus) dt = softplus_fast(dt);
             s_dtf[c * PF + t] = dt;
@@ -379,8 +389,8 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             if constexpr (kVaryingBC) {
 #pragma unroll
                 for (int q = 0; q < K / 4; ++q) {
-                    in.b[q] = reinterpret_cast<const float4*>(s_B + t * N + n0)[q];
-                    in.c[q] = reinterpret_cast<const float4*>(s_C + t * N + n0)[q];
+                    in.b[q] = *reinterpret_cast<const float4*>(s_B + bc_swizzle<N>(t * N + n0 + 4 * q));
+                    in.c[q] = *reinterpret_cast<const float4*>(s_C + bc_swizzle<N>(t * N + n0 + 4 * q));
                 }
             }
             return in;
@@ -413,7 +423,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             if (kLocal) continue;
             float y = acc[0] + acc[1];
 #pragma unroll
-            for (int offset = 1; offset < kThreadsPerChannel; offset *= 2) y += __shfl_xor_sync(0xffffffffu, y, offset);
+            for (int offset = 1; offset < TPC; offset *= 2) y += __shfl_xor_sync(0xffffffffu, y, offset);
             // All the channel's threads have read u[t] before the shuffle; one writes the output over it.
             if (part == 0) s_u[c * P + t] = from_f32<T>(fmaf(skip, cur.u, y) * s_gate[c * PF + t]);
         }
@@ -425,7 +435,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     if (kLocal) {
 #pragma unroll
         for (int k = 0; k < K; ++k) record[n0 + k] = h[k];
-        if (part == 0) record[kTiledStates] = dt_sum;
+        if (part == 0) record[N] = dt_sum;
     } else if (chunk == p.n_chunks - 1) {
 #pragma unroll
         for (int k = 0; k < K; ++k)
@@ -433,18 +443,21 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     }
 }
 
-// selective_scan_fwd_tiled[_local]_<T>_<TB>_<varying|invariant>, launched with kTiledThreads threads,
-// Tile<T>::kSharedBytes of dynamic shared memory and a (tiles, batch, chunks) grid.
-#define SSF_TILED_BOUNDS __launch_bounds__(kTiledThreads, SSF_MIN_BLOCKS)
-#define SSF_TILED_ONE(NAME, T, TB, VARYING, LOCAL)                                                \
-    extern "C" __global__ void SSF_TILED_BOUNDS NAME(const SelectiveScanFwdParams p) {             \
-        selective_scan_fwd_tiled<T, TB, VARYING, LOCAL>(p);                                       \
+// selective_scan_fwd_tiled[_local]_<T>_<TB>_tpc<TPC>_<varying|invariant>, launched with
+// Tiled<TPC>::kThreads threads, Tile<T, TPC>::kSharedBytes of dynamic shared memory and a (tiles,
+// batch, chunks) grid. Registers are capped for SSF_MIN_BLOCKS blocks of 128 threads per SM at every
+// TPC (128 a thread).
+#define SSF_TILED_BOUNDS(TPC) __launch_bounds__(Tiled<TPC>::kThreads, SSF_MIN_BLOCKS * 128 / Tiled<TPC>::kThreads)
+#define SSF_TILED_ONE(NAME, T, TB, TPC, VARYING, LOCAL)                                                      \
+    extern "C" __global__ void SSF_TILED_BOUNDS(TPC) NAME(const SelectiveScanFwdParams p) {                  \
+        selective_scan_fwd_tiled<T, TB, TPC, VARYING, LOCAL>(p);                                             \
     }
-#define SSF_TILED(T, TB)                                                                                  \
-    SSF_TILED_ONE(selective_scan_fwd_tiled_##T##_##TB##_varying, T, TB, true, false)                      \
-    SSF_TILED_ONE(selective_scan_fwd_tiled_##T##_##TB##_invariant, T, TB, false, false)                   \
-    SSF_TILED_ONE(selective_scan_fwd_tiled_local_##T##_##TB##_varying, T, TB, true, true)                 \
-    SSF_TILED_ONE(selective_scan_fwd_tiled_local_##T##_##TB##_invariant, T, TB, false, true)
+#define SSF_TILED_TPC(T, TB, TPC)                                                                            \
+    SSF_TILED_ONE(selective_scan_fwd_tiled_##T##_##TB##_tpc##TPC##_varying, T, TB, TPC, true, false)         \
+    SSF_TILED_ONE(selective_scan_fwd_tiled_##T##_##TB##_tpc##TPC##_invariant, T, TB, TPC, false, false)      \
+    SSF_TILED_ONE(selective_scan_fwd_tiled_local_##T##_##TB##_tpc##TPC##_varying, T, TB, TPC, true, true)    \
+    SSF_TILED_ONE(selective_scan_fwd_tiled_local_##T##_##TB##_tpc##TPC##_invariant, T, TB, TPC, false, true)
+#define SSF_TILED(T, TB) SSF_TILED_TPC(T, TB, 2) SSF_TILED_TPC(T, TB, 4) SSF_TILED_TPC(T, TB, 8)
 
 SSF_TILED(f32, f32)
 SSF_TILED(bf16, bf16)

@@ -323,6 +323,19 @@ fn host_backward_round_trip() {
     }
 }
 
+/// The forward's workspace size: per chunk after the first, per row, a record of the tiled kernel's
+/// states (8 per thread, 2, 4 or 8 threads per channel) and the chunk's sum of dt.
+#[test]
+fn fwd_workspace_bytes() {
+    // 1 x 128 channels = 2 tiles of 64: 16 chunks of 64 steps (split_plan).
+    let bytes = |dstate| xla_ssm_selective_scan_fwd_workspace_bytes(1, 128, 1024, dstate);
+    for (dstate, record) in [(1, 17), (16, 17), (17, 33), (32, 33), (33, 65), (64, 65)] {
+        assert_eq!(bytes(dstate), 15 * 128 * record * 4, "dstate {dstate}");
+    }
+    assert_eq!(bytes(65), 0, "the lanes kernel (dstate > 64) never splits");
+    assert_eq!(xla_ssm_selective_scan_fwd_workspace_bytes(64, 4096, 1024, 16), 0, "enough tiles: no split");
+}
+
 /// The backward's workspace size: the layout of the CUDA backward (BwdLayout in
 /// src/ops/selective_scan/mod.rs).
 #[test]

@@ -273,6 +273,11 @@ fn large_cases() {
             // Enough 128-channel tiles to fill an H100: the automatic choice takes the tiled kernel.
             Case { dtype: Dt::BF16, bc_dtype: Dt::BF16, ..Case::new(8, 4096, 128, 16).all_optional() },
             Case { dtype: Dt::BF16, layout: Layout::Bld, groups: 0, ..Case::new(8, 4096, 128, 16).all_optional() },
+            // The tiled kernel at 4 and 8 threads per channel (dstate 17..32, 33..64), partial ones too.
+            Case { dtype: Dt::BF16, bc_dtype: Dt::BF16, ..Case::new(2, 512, 1000, 64).all_optional() },
+            Case { layout: Layout::Bld, ..Case::new(2, 512, 1000, 32).all_optional() },
+            Case { dtype: Dt::F16, bc_dtype: Dt::F16, groups: 2, ..Case::new(2, 256, 512, 40).all_optional() },
+            Case { layout: Layout::Bld, groups: 0, ..Case::new(2, 192, 256, 20).all_optional() },
         ],
     );
 }
@@ -555,6 +560,9 @@ fn split_sequence() {
             ..Case::new(1, 64, 777 * 8, 8).all_optional()
         },
         Case { softplus: false, ..Case::new(1, 256, 160, 4).all_optional() },
+        // Records of 33 and 65 floats (4 and 8 threads per channel).
+        Case { dtype: Dt::BF16, bc_dtype: Dt::BF16, ..Case::new(1, 128, 1024, 64).all_optional() },
+        Case { layout: Layout::Bld, ..Case::new(1, 192, 800, 24).all_optional() },
     ];
     for case in &cases {
         let c = case;

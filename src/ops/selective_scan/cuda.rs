@@ -1,7 +1,7 @@
 //! The CUDA launch of the forward scan (kernels/selective_scan_fwd.cu), which picks one of two kernels:
-//! - `tiled`: two threads per channel, 8 states each in registers, tiles through shared memory. For
-//!   dstate <= 16, one B/C group per 128-channel tile, 16-byte aligned rows (seqlen, or dim when
-//!   channel-last, a multiple of 8 / 4 elements for 2- / 4-byte types).
+//! - `tiled`: 2, 4 or 8 threads per channel (dstate <= 16, 32, 64), 8 states each in registers,
+//!   tiles of 64 channels through shared memory. One B/C group per tile, 16-byte aligned rows
+//!   (seqlen, or dim when channel-last, a multiple of 8 / 4 elements for 2- / 4-byte types).
 //! - `lanes`: 1..32 lanes per channel with 8 states each; any dstate up to 256, any groups, any
 //!   alignment.
 //!
@@ -9,7 +9,7 @@
 //! the host passes a workspace and batch x dim is small, the tiled kernel splits the sequence
 //! ([`super::split_plan`]): two launches, a chunk-local pass and the final one.
 
-use super::{split_plan, workspace_bytes, Fwd, FwdParams, TILED_MAX_DSTATE, TILE_CHANNELS};
+use super::{split_plan, tiled_threads_per_channel, workspace_bytes, Fwd, FwdParams, TILED_MAX_DSTATE, TILE_CHANNELS};
 use crate::error::Result;
 use once_cell::sync::Lazy;
 use std::ffi::c_void;
@@ -18,16 +18,13 @@ use crate::cuda::{launch, LaunchConfig};
 
 const LANE_STATES: i64 = 8;
 const LANES_BLOCK: u32 = 128;
-// Mirror of the tiled kernel's kTiledThreads (kernels/selective_scan_fwd.cu).
-const TILED_THREADS: u32 = 128;
 
-/// `Tile<T>::kSharedBytes`: u, delta, z tiles of 64-byte rows padded by a word, f32 dt and gate
-/// rows padded by one, f32 B and C.
-fn tiled_shared_bytes(elem_bytes: i64) -> u32 {
+/// `Tile<T, TPC>::kSharedBytes`: u, delta, z tiles of 64-byte rows padded by a word, f32 dt and gate
+/// rows padded by one, f32 B and C of 8 x `tpc` states.
+fn tiled_shared_bytes(elem_bytes: i64, tpc: i64) -> u32 {
     let steps = 64 / elem_bytes;
     let pitch = steps + 4 / elem_bytes;
-    (3 * TILE_CHANNELS * pitch * elem_bytes + 2 * TILE_CHANNELS * (steps + 1) * 4 + 2 * steps * TILED_MAX_DSTATE * 4)
-        as u32
+    (3 * TILE_CHANNELS * pitch * elem_bytes + 2 * TILE_CHANNELS * (steps + 1) * 4 + 2 * steps * 8 * tpc * 4) as u32
 }
 
 /// `XLA_SSM_FWD_KERNEL=lanes` forces the lanes kernel (tests use it to cover both).
@@ -60,20 +57,22 @@ pub(super) fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
     // BENCHMARKS.md), small ones included; lanes covers what tiled does not.
     if tiled_supported(fwd) && !*FORCE_LANES {
         let form = if fwd.bc_time_varying { "varying" } else { "invariant" };
+        let tpc = tiled_threads_per_channel(p.dstate);
         let tiles = ((p.dim + TILE_CHANNELS - 1) / TILE_CHANNELS) as u64;
+        // Mirror of `Tiled<TPC>::kThreads`.
         let config = |chunks: i64| LaunchConfig {
             grid: (tiles, p.batch as u64, chunks as u64),
-            block: TILED_THREADS,
-            shared_bytes: tiled_shared_bytes(fwd.dtype.size_bytes()),
+            block: (TILE_CHANNELS * tpc) as u32,
+            shared_bytes: tiled_shared_bytes(fwd.dtype.size_bytes(), tpc),
         };
-        let kernel = format!("selective_scan_fwd_tiled_{types}_{form}");
+        let kernel = format!("selective_scan_fwd_tiled_{types}_tpc{tpc}_{form}");
         let (chunk_len, n_chunks) = split_plan(p.batch, p.dim, p.seqlen);
         let needed = workspace_bytes(p.batch, p.dim, p.seqlen, p.dstate);
         // The records are f32: a host's misaligned scratch is not used rather than faulted on.
         let usable = !p.workspace.is_null() && (p.workspace as usize).is_multiple_of(4);
         if n_chunks > 1 && needed > 0 && fwd.workspace_bytes >= needed && usable {
             let split = FwdParams { chunk_len, n_chunks, ..*p };
-            let local = format!("selective_scan_fwd_tiled_local_{types}_{form}");
+            let local = format!("selective_scan_fwd_tiled_local_{types}_tpc{tpc}_{form}");
             launch(stream, "selective_scan_fwd", &local, config(n_chunks - 1), &split)?;
             return launch(stream, "selective_scan_fwd", &kernel, config(n_chunks), &split);
         }

@@ -132,10 +132,20 @@ pub struct Fwd {
 
 /// Channels per block of the CUDA `tiled` kernel (`kTileChannels`).
 pub const TILE_CHANNELS: i64 = 64;
-/// Largest dstate of the CUDA `tiled` kernel (`kTiledStates`), the only one that splits.
-pub const TILED_MAX_DSTATE: i64 = 16;
-/// f32s per (chunk, batch, channel) record of the split: end state, then sum of dt (`kChunkRecord`).
-const SPLIT_RECORD_FLOATS: i64 = TILED_MAX_DSTATE + 1;
+/// Largest dstate of the CUDA `tiled` kernel (`Tiled<8>::kStates`), the only one that splits.
+pub const TILED_MAX_DSTATE: i64 = 64;
+
+/// Threads per channel of the CUDA `tiled` kernel for this dstate (`TPC`: 8 states each, 2 at least).
+pub fn tiled_threads_per_channel(dstate: i64) -> i64 {
+    let threads = (dstate.max(1) + 7) / 8;
+    (threads.max(2) as u64).next_power_of_two() as i64
+}
+
+/// f32s per (chunk, batch, channel) record of the split: end state (the kernel's states for this
+/// dstate), then sum of dt (`Tiled<TPC>::kChunkRecord`).
+fn split_record_floats(dstate: i64) -> i64 {
+    8 * tiled_threads_per_channel(dstate) + 1
+}
 /// Multiprocessors the splits aim to fill (an H100's).
 const SPLIT_SMS: i64 = 132;
 /// Blocks the forward's split aims for: four per multiprocessor.
@@ -165,7 +175,7 @@ pub fn workspace_bytes(batch: i64, dim: i64, seqlen: i64, dstate: i64) -> i64 {
     if n_chunks <= 1 || dstate > TILED_MAX_DSTATE {
         return 0;
     }
-    (n_chunks - 1) * batch * dim * SPLIT_RECORD_FLOATS * 4
+    (n_chunks - 1) * batch * dim * split_record_floats(dstate) * 4
 }
 
 const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
