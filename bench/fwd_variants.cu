@@ -65,9 +65,10 @@ int main(int argc, char** argv) {
     p.delta_softplus = 1;
     p.chunk_len = L, p.n_chunks = 1;
     // The sequence split of src/ops/selective_scan/mod.rs (split_plan) for small batch x dim.
-    const int tpc = N <= 16 ? 2 : N <= 32 ? 4 : 8;  // tiled_threads_per_channel
-    if (N > 64) return fprintf(stderr, "the tiled kernel takes dstate <= 64\n"), 2;
+    const int tpc = N <= 16 ? 2 : N <= 32 ? 4 : N <= 64 ? 8 : N <= 128 ? 16 : 32;  // tiled_threads_per_channel
+    if (N > 256) return fprintf(stderr, "dstate <= 256\n"), 2;
     SelectiveScanFwdParams ps = p;
+    // Planned in 64-channel tiles at every dstate (split_plan).
     const int64_t tiles = B * ((D + kTileChannels - 1) / kTileChannels), target = 4 * 132;
     if (2 * tiles < target && L >= 128) {
         const int64_t chunks = std::min((target + tiles - 1) / tiles, L / 64);
@@ -79,36 +80,41 @@ int main(int argc, char** argv) {
     // Reference: the lanes kernel.
     SelectiveScanFwdParams pr = p;
     pr.out = out_ref;
-    const int ns = N <= 8 ? 1 : N <= 16 ? 2 : N <= 32 ? 4 : 8;
+    const int ns = N <= 8 ? 1 : tpc;
     const int64_t lane_threads = B * D * ns;
     auto lanes = [&] {
         const unsigned grid = unsigned((lane_threads + 127) / 128);
         if (ns == 1) selective_scan_fwd_lanes_bf16_bf16_ns1<<<grid, 128>>>(pr);
         else if (ns == 2) selective_scan_fwd_lanes_bf16_bf16_ns2<<<grid, 128>>>(pr);
         else if (ns == 4) selective_scan_fwd_lanes_bf16_bf16_ns4<<<grid, 128>>>(pr);
-        else selective_scan_fwd_lanes_bf16_bf16_ns8<<<grid, 128>>>(pr);
+        else if (ns == 8) selective_scan_fwd_lanes_bf16_bf16_ns8<<<grid, 128>>>(pr);
+        else if (ns == 16) selective_scan_fwd_lanes_bf16_bf16_ns16<<<grid, 128>>>(pr);
+        else selective_scan_fwd_lanes_bf16_bf16_ns32<<<grid, 128>>>(pr);
     };
     // The tiled kernel's pair of launches (local pass, final pass) at TPC threads per channel.
-    auto launch_tiled = [&](auto local_kernel, auto kernel, int threads, int smem) {
+    auto launch_tiled = [&](auto local_kernel, auto kernel, int channels, int threads, int smem) {
         CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         CHECK(cudaFuncSetAttribute(local_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        dim3 grid(unsigned((D + kTileChannels - 1) / kTileChannels), unsigned(B), unsigned(ps.n_chunks));
+        dim3 grid(unsigned((D + channels - 1) / channels), unsigned(B), unsigned(ps.n_chunks));
         if (ps.n_chunks > 1) {
             dim3 local(grid.x, grid.y, grid.z - 1);
             local_kernel<<<local, threads, smem>>>(ps);
         }
         kernel<<<grid, threads, smem>>>(ps);
     };
+    // The B/C staging src/ops/selective_scan/cuda.rs picks (tiled_bc_form): 16-byte vectors, but
+    // element by element for channel-last below 16 threads per channel; SSF_SCALAR_BC=1 forces that.
+#define SSF_LAUNCH_FORM(TPC, FORM)                                                                                     \
+    launch_tiled(selective_scan_fwd_tiled_local_bf16_bf16_tpc##TPC##_##FORM, selective_scan_fwd_tiled_bf16_bf16_tpc##TPC##_##FORM, \
+                 Tiled<TPC>::kChannels, Tiled<TPC>::kThreads, Tile<bf16, TPC>::kSharedBytes)
+    const bool scalar_bc = getenv("SSF_SCALAR_BC") || (bld && tpc < 16);
+#define SSF_LAUNCH_TPC(TPC) (scalar_bc ? SSF_LAUNCH_FORM(TPC, varying) : SSF_LAUNCH_FORM(TPC, varying_vec))
     auto tiled = [&] {
-        if (tpc == 2)
-            launch_tiled(selective_scan_fwd_tiled_local_bf16_bf16_tpc2_varying, selective_scan_fwd_tiled_bf16_bf16_tpc2_varying,
-                         Tiled<2>::kThreads, Tile<bf16, 2>::kSharedBytes);
-        else if (tpc == 4)
-            launch_tiled(selective_scan_fwd_tiled_local_bf16_bf16_tpc4_varying, selective_scan_fwd_tiled_bf16_bf16_tpc4_varying,
-                         Tiled<4>::kThreads, Tile<bf16, 4>::kSharedBytes);
-        else
-            launch_tiled(selective_scan_fwd_tiled_local_bf16_bf16_tpc8_varying, selective_scan_fwd_tiled_bf16_bf16_tpc8_varying,
-                         Tiled<8>::kThreads, Tile<bf16, 8>::kSharedBytes);
+        if (tpc == 2) SSF_LAUNCH_TPC(2);
+        else if (tpc == 4) SSF_LAUNCH_TPC(4);
+        else if (tpc == 8) SSF_LAUNCH_TPC(8);
+        else if (tpc == 16) SSF_LAUNCH_TPC(16);
+        else SSF_LAUNCH_TPC(32);
     };
     cudaEvent_t e0, e1;
     CHECK(cudaEventCreate(&e0)); CHECK(cudaEventCreate(&e1));

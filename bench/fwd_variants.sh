@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine with nvcc: build bench/fwd_variants.cu once per knob setting and time each on the
-# issue's main shape in both layouts, at each dstate of SSF_DSTATES (default 16; the tiled kernel takes
-# up to 64). Usage: [SSF_DSTATES="16 32 64"] bash bench/fwd_variants.sh ["-DSSF_POLY_STATES=0" ...]
+# issue's main shape in both layouts, at each dstate of SSF_DSTATES (default 16; up to 256).
+# Usage: [SSF_DSTATES="16 32 64"] bash bench/fwd_variants.sh ["-DSSF_POLY_STATES=0" ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp}/fwd_variants"

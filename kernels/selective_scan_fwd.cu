@@ -2,8 +2,11 @@
 //
 // Two kernels; src/ops/selective_scan/cuda.rs picks one. `lanes` (any dstate up to 256): one channel
 // (b, d) is scanned by NS consecutive lanes of a warp, each holding K = 8 of its states in registers;
-// per step the lanes' partial <C, h> are summed with warp shuffles. `tiled` (below; dstate <= 16) is
-// the fast one. Layouts and the two forms of B/C are expressed through the parameter struct's strides.
+// per step the lanes' partial <C, h> are summed with warp shuffles. `tiled` (below; any dstate, one
+// B/C group per block, 16-byte rows) is the fast one. Layouts and the two forms of B/C are expressed
+// through the parameter struct's strides.
+#include <type_traits>
+
 #include "selective_scan.cuh"
 
 constexpr int kStatesPerLane = 8;
@@ -105,24 +108,25 @@ SSF_ALL_NS(f16, f16)
 SSF_ALL_NS(f16, f32)
 
 // ---------------------------------------------------------------------------------------------
-// Tiled kernel for dstate <= 64 and many channels. A block scans 64 channels of one batch row with
-// TPC threads per channel (2, 4 or 8: dstate <= 16, 32, 64), each holding 8 of its states in
-// registers, so the per-element work is the recurrence alone and a step ends with log2(TPC)
+// Tiled kernel. A block scans 64 channels of one batch row (32 and 16 from dstate 65 on) with TPC
+// threads per channel (2, 4, 8, 16 or 32: dstate <= 16, 32, 64, 128, 256), each holding 8 of its
+// states in registers, so the per-element work is the recurrence alone and a step ends with log2(TPC)
 // shuffles. The sequence goes through in tiles of S steps: u, delta and z pass through shared
 // memory (coalesced 16-byte global accesses in either layout; the next tile's loads are in flight in
 // registers while this one is computed), dt = softplus(delta + bias) and the gate silu(z) are
 // computed once per tile for all its steps (the independent work, off the recurrence's critical
 // path), and B/C (one group per block) are staged as f32 and read by broadcast. Per-thread work is
 // the same at every TPC: a larger dstate means more threads per block (128, 256, 512), not more
-// registers. The exponentials bound the kernel (special-function units); some of them can run on
-// the FMA pipes (SSF_POLY_STATES per thread).
+// registers; past 512 threads, fewer channels. Some exponentials can run on the FMA pipes
+// (SSF_POLY_STATES per thread; slower so far: the kernel is bound by instruction issue).
 
 // Tuning knobs (bench/fwd_variants.sh builds variants with -D to compare them on a GPU).
 #ifndef SSF_POLY_STATES
 #define SSF_POLY_STATES 0
 #endif
-// Channels per block: 64 (four blocks per SM at two threads per channel, 128 registers a thread) ran
-// 1-20% faster than 128 (two per SM) at every shape measured, channel-last most (BENCHMARKS.md).
+// Channels per block up to dstate 64: 64 (four blocks per SM at two threads per channel, 128
+// registers a thread) ran 1-20% faster than 128 (two per SM) at every shape measured, channel-last
+// most (BENCHMARKS.md).
 #ifndef SSF_TILE_CHANNELS
 #define SSF_TILE_CHANNELS 64
 #endif
@@ -132,11 +136,15 @@ SSF_ALL_NS(f16, f32)
 constexpr int kTileChannels = SSF_TILE_CHANNELS;
 constexpr int kThreadStates = 8;
 constexpr int kPolyStates = SSF_POLY_STATES;
+// Largest block: 512 threads at 128 registers fill an SM's register file.
+constexpr int kTiledMaxThreads = 512;
 
-// Threads per channel TPC: states per channel and threads per block.
+// Threads per channel TPC: states per channel, channels and threads per block. From TPC 16 (dstate
+// > 64) a block holds fewer channels (32 or 16), so that it stays at 512 threads.
 template <int TPC> struct Tiled {
     static constexpr int kStates = kThreadStates * TPC;  // largest dstate
-    static constexpr int kThreads = kTileChannels * TPC;
+    static constexpr int kChannels = kTileChannels * TPC <= kTiledMaxThreads ? kTileChannels : kTiledMaxThreads / TPC;
+    static constexpr int kThreads = kChannels * TPC;
     // Floats per (chunk, batch, channel) in the workspace: the chunk's end state from zero, then its
     // sum of dt (which gives the chunk's decay of an incoming state, exp(A * sum dt)).
     static constexpr int kChunkRecord = kStates + 1;
@@ -149,30 +157,31 @@ template <typename T, int TPC> struct Tile {
     static constexpr int kPitch = kSteps + 4 / sizeof(T);  // elements of T: 17 words
     static constexpr int kPitchF32 = kSteps + 1;           // f32 rows
     static constexpr int kVecElems = 16 / sizeof(T);       // per 16-byte vector
-    static constexpr int kVecs = kTileChannels * kSteps / kVecElems;  // per tensor tile
+    static constexpr int kChannels = Tiled<TPC>::kChannels;
+    static constexpr int kVecs = kChannels * kSteps / kVecElems;  // per tensor tile
     static constexpr int kThreads = Tiled<TPC>::kThreads;
-    static constexpr int kVecsPerThread = (kVecs + kThreads - 1) / kThreads;  // 2, 1, 1 (TPC 8: half the threads)
+    static constexpr int kVecsPerThread = (kVecs + kThreads - 1) / kThreads;  // 2, 1, 1, ... (from TPC 8: not all threads)
     // Dynamic shared memory: u (then out), delta, z tiles; f32 dt and gate; f32 B and C.
-    static constexpr int kSharedBytes = 3 * kTileChannels * kPitch * sizeof(T) + 2 * kTileChannels * kPitchF32 * 4 +
+    static constexpr int kSharedBytes = 3 * kChannels * kPitch * sizeof(T) + 2 * kChannels * kPitchF32 * 4 +
                                         2 * kSteps * Tiled<TPC>::kStates * 4;
 };
 
 // Where thread `i` reads and writes its share of a [channels x S steps] tile, as vectors of
 // E = 16 / sizeof(T) elements along the contiguous axis: with time contiguous ("bdl") vector v covers
 // steps (v % (S/E)) * E .. + E of row v / (S/E); with channels contiguous ("bld") it covers rows
-// (v % (C/E)) * E .. + E at step v / (C/E), C = kTileChannels. v = k * threads + i; a v past the tile
+// (v % (C/E)) * E .. + E at step v / (C/E), C = Tiled<TPC>::kChannels. v = k * threads + i; a v past the tile
 // gets row C (outside every tile's rows: never loaded or stored).
 template <typename T, int TPC> struct TileMap {
     using Tl = Tile<T, TPC>;
-    static constexpr int S = Tl::kSteps, E = Tl::kVecElems;
+    static constexpr int S = Tl::kSteps, E = Tl::kVecElems, C = Tl::kChannels;
     int row[Tl::kVecsPerThread], t[Tl::kVecsPerThread];
     __device__ __forceinline__ TileMap(bool time_contiguous) {
 #pragma unroll
         for (int k = 0; k < Tl::kVecsPerThread; ++k) {
             const int v = k * Tl::kThreads + threadIdx.x;
-            row[k] = time_contiguous ? v / (S / E) : (v % (kTileChannels / E)) * E;
-            t[k] = time_contiguous ? (v % (S / E)) * E : v / (kTileChannels / E);
-            if (Tl::kVecs % Tl::kThreads != 0 && v >= Tl::kVecs) row[k] = kTileChannels, t[k] = 0;
+            row[k] = time_contiguous ? v / (S / E) : (v % (C / E)) * E;
+            t[k] = time_contiguous ? (v % (S / E)) * E : v / (C / E);
+            if (Tl::kVecs % Tl::kThreads != 0 && v >= Tl::kVecs) row[k] = C, t[k] = 0;
         }
     }
 };
@@ -198,7 +207,7 @@ template <typename T, int TPC> struct TileRegs {
         constexpr int P = Tl::kPitch, E = Tl::kVecElems;
 #pragma unroll
         for (int k = 0; k < Tl::kVecsPerThread; ++k) {
-            if (Tl::kVecs % Tl::kThreads != 0 && m.row[k] >= kTileChannels) continue;  // past the tile
+            if (Tl::kVecs % Tl::kThreads != 0 && m.row[k] >= Tl::kChannels) continue;  // past the tile
             if (time_contiguous) {
                 uint32_t* w = reinterpret_cast<uint32_t*>(tile + m.row[k] * P + m.t[k]);
                 w[0] = v[k].x, w[1] = v[k].y, w[2] = v[k].z, w[3] = v[k].w;
@@ -232,33 +241,103 @@ __device__ __forceinline__ void store_tile(T* g, const T* tile, const SelectiveS
     }
 }
 
+// How B and C reach the tiled kernel: one (dstate) row per channel (time-invariant), or per step,
+// staged into shared memory as f32 rows [S][N] a tile ahead: element by element (any strides), or
+// (kVaryingVec) as 16-byte vectors along their contiguous axis (16-byte aligned, rows a whole number
+// of vectors). Rows along time ("bdl") staged element by element put a warp's writes N floats apart
+// (16- to 32-way bank conflicts); as vectors, a warp's threads take consecutive states, a column each,
+// and write to 32 banks. Rows along the states ("bld") conflict in neither form; there vectors pay
+// only from dstate 65 on (src/ops/selective_scan/cuda.rs picks).
+enum class BcForm { kInvariant, kVarying, kVaryingVec };
+
+template <typename TB, int N, int S, int kThreads, BcForm F> struct BcTileRegs {
+    static constexpr int kVec = F == BcForm::kVaryingVec ? 16 / sizeof(TB) : 1;  // elements per item
+    static constexpr int kItems = N * S / kVec;
+    static constexpr int kPerThread = F == BcForm::kInvariant ? 1 : (kItems + kThreads - 1) / kThreads;
+    using Item = std::conditional_t<F == BcForm::kVaryingVec, uint4, TB>;
+    Item b[kPerThread], c[kPerThread];
+
+    // Item k of this thread: its first state n and step t; false past the tile's items.
+    __device__ __forceinline__ static bool where(int k, bool time_contiguous, int& n, int& t) {
+        const int i = k * kThreads + threadIdx.x;
+        if constexpr (F == BcForm::kVaryingVec) {
+            // Along time: a warp's threads take consecutive states (a column each). Along the
+            // states: consecutive vectors of one step.
+            n = time_contiguous ? i % N : i % (N / kVec) * kVec;
+            t = time_contiguous ? i / N * kVec : i / (N / kVec);
+        } else {  // coalesced along the contiguous axis
+            n = time_contiguous ? i / S : i % N;
+            t = time_contiguous ? i % S : i / N;
+        }
+        return kItems % kThreads == 0 || i < kItems;
+    }
+
+    __device__ __forceinline__ void load(const TB* Bm, const TB* Cm, const SelectiveScanFwdParams& p, int64_t base,
+                                         int64_t l0, int steps, bool time_contiguous) {
+#pragma unroll
+        for (int k = 0; k < kPerThread; ++k) {
+            int n, t;
+            const bool in = where(k, time_contiguous, n, t) && n < p.dstate && t < steps;
+            const int64_t g = base + n * p.bc_stride_state + (l0 + t) * p.bc_stride_seq;
+            if constexpr (F == BcForm::kVaryingVec) {
+                b[k] = in ? __ldg(reinterpret_cast<const uint4*>(Bm + g)) : make_uint4(0, 0, 0, 0);
+                c[k] = in ? __ldg(reinterpret_cast<const uint4*>(Cm + g)) : make_uint4(0, 0, 0, 0);
+            } else {
+                b[k] = in ? Bm[g] : from_f32<TB>(0.f);
+                c[k] = in ? Cm[g] : from_f32<TB>(0.f);
+            }
+        }
+    }
+
+    __device__ __forceinline__ void store_shared(float* s_B, float* s_C, bool time_contiguous) const {
+#pragma unroll
+        for (int k = 0; k < kPerThread; ++k) {
+            int n, t;
+            if (!where(k, time_contiguous, n, t)) break;
+            if constexpr (F == BcForm::kVaryingVec) {
+                const TB* bk = reinterpret_cast<const TB*>(&b[k]);
+                const TB* ck = reinterpret_cast<const TB*>(&c[k]);
+                const int step = time_contiguous ? N : 1;  // from one element to the next
+#pragma unroll
+                for (int j = 0; j < kVec; ++j) {
+                    s_B[bc_swizzle<N>(t * N + n + j * step)] = to_f32(bk[j]);
+                    s_C[bc_swizzle<N>(t * N + n + j * step)] = to_f32(ck[j]);
+                }
+            } else {
+                s_B[bc_swizzle<N>(t * N + n)] = to_f32(b[k]);
+                s_C[bc_swizzle<N>(t * N + n)] = to_f32(c[k]);
+            }
+        }
+    }
+};
+
 // kLocal: the first pass of a sequence split. Block (tile, b, chunk) scans its chunk from a zero
 // state and records only the end state and the sum of dt. Otherwise the block starts from the
 // initial state carried through the records of the chunks before it, and writes the output
 // (one chunk covering the whole sequence when there is no split).
-template <typename T, typename TB, int TPC, bool kVaryingBC, bool kLocal>
+template <typename T, typename TB, int TPC, BcForm kBC, bool kLocal>
 __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdParams& p) {
+    constexpr bool kVaryingBC = kBC != BcForm::kInvariant;
     using Tl = Tile<T, TPC>;
     constexpr int N = Tiled<TPC>::kStates, K = kThreadStates, S = Tl::kSteps, P = Tl::kPitch, PF = Tl::kPitchF32;
     constexpr int kThreads = Tiled<TPC>::kThreads, kChunkRecord = Tiled<TPC>::kChunkRecord;
-    // S * N / kThreads = S / 8 at every TPC.
-    constexpr int kBCPerThread = kVaryingBC ? (S * N + kThreads - 1) / kThreads : 1;
+    constexpr int kChannels = Tiled<TPC>::kChannels;
     extern __shared__ __align__(16) unsigned char shared[];
     float* s_B = reinterpret_cast<float*>(shared);  // [S][N]
     float* s_C = s_B + S * N;
     float* s_dtf = s_C + S * N;                     // [channels][PF]: dt
-    float* s_gate = s_dtf + kTileChannels * PF;     // [channels][PF]: silu(z), or 1
-    T* s_u = reinterpret_cast<T*>(s_gate + kTileChannels * PF);  // [channels][P]: u in, out back
-    T* s_delta = s_u + kTileChannels * P;
-    T* s_z = s_delta + kTileChannels * P;
+    float* s_gate = s_dtf + kChannels * PF;     // [channels][PF]: silu(z), or 1
+    T* s_u = reinterpret_cast<T*>(s_gate + kChannels * PF);  // [channels][P]: u in, out back
+    T* s_delta = s_u + kChannels * P;
+    T* s_z = s_delta + kChannels * P;
 
     const int c = threadIdx.x / TPC;  // channel in the tile
     const int part = threadIdx.x % TPC;
     const int n0 = part * K;  // first of this thread's states
     const int64_t b = blockIdx.y;
-    const int64_t d0 = int64_t(blockIdx.x) * kTileChannels;
+    const int64_t d0 = int64_t(blockIdx.x) * kChannels;
     const int64_t d = d0 + c;
-    const int rows = int(min(int64_t(kTileChannels), p.dim - d0));
+    const int rows = int(min(int64_t(kChannels), p.dim - d0));
     const bool active = c < rows;
     const int64_t state_base = (b * p.dim + d) * p.dstate;
     const TB* Bm = static_cast<const TB*>(p.B);
@@ -307,28 +386,13 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
 
     // The next tile, in flight while the current one is computed.
     TileRegs<T, TPC> next_u, next_delta, next_z;
-    TB next_B[kBCPerThread], next_C[kBCPerThread];
-    auto bc_index = [&](int k, int& n, int& t) {
-        const int i = k * kThreads + threadIdx.x;
-        n = bc_time_contiguous ? i / S : i % N;
-        t = bc_time_contiguous ? i % S : i / N;
-    };
+    BcTileRegs<TB, N, S, kThreads, kBC> next_bc;
     auto fetch = [&](int64_t l0) {
         const int steps = int(min(int64_t(S), l_end - l0));
         next_u.load(u, p, map, x_base, l0, rows, steps);
         next_delta.load(delta, p, map, x_base, l0, rows, steps);
         if (has_z) next_z.load(z, p, map, x_base, l0, rows, steps);
-        if constexpr (kVaryingBC) {
-#pragma unroll
-            for (int k = 0; k < kBCPerThread; ++k) {
-                int n, t;
-                bc_index(k, n, t);
-                const bool in = n < p.dstate && t < steps && k * kThreads + int(threadIdx.x) < S * N;
-                const int64_t g = bc_base + n * p.bc_stride_state + (l0 + t) * p.bc_stride_seq;
-                next_B[k] = in ? Bm[g] : from_f32<TB>(0.f);
-                next_C[k] = in ? Cm[g] : from_f32<TB>(0.f);
-            }
-        }
+        if constexpr (kVaryingBC) next_bc.load(Bm, Cm, p, bc_base, l0, steps, bc_time_contiguous);
     };
 
     float dt_sum = 0.f;
@@ -351,23 +415,16 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
         next_u.store_shared(s_u, map, time_contiguous);
         next_delta.store_shared(s_delta, map, time_contiguous);
         if (has_z) next_z.store_shared(s_z, map, time_contiguous);
-        if constexpr (kVaryingBC) {
-#pragma unroll
-            for (int k = 0; k < kBCPerThread; ++k) {
-                int n, t;
-                bc_index(k, n, t);
-                if (k * kThreads + int(threadIdx.x) >= S * N) break;
-                s_B[bc_swizzle<N>(t * N + n)] = to_f32(next_B[k]);
-                s_C[bc_swizzle<N>(t * N + n)] = to_f32(next_C[k]);
-            }
-        }
+        if constexpr (kVaryingBC) next_bc.store_shared(s_B, s_C, bc_time_contiguous);
         __syncthreads();
         if (l0 + S < l_end) fetch(l0 + S);
 
-        // Per-step scalars of this tile, all independent: the channel's threads split the steps.
+        // Per-step scalars of this tile, all independent: the channel's threads split the steps (f32
+        // tiles have 16 steps: at TPC 32 half the threads take none).
 #pragma unroll 4
-        for (int j = 0; j < S / TPC; ++j) {
+        for (int j = 0; j < (S + TPC - 1) / TPC; ++j) {
             const int t = j * TPC + part;
+            if (S % TPC != 0 && t >= S) break;
             float dt = to_f32(s_delta[c * P + t]) + bias;
             if (p.delta_softplus) dt = softplus_fast(dt);
             s_dtf[c * PF + t] = dt;
@@ -443,21 +500,25 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     }
 }
 
-// selective_scan_fwd_tiled[_local]_<T>_<TB>_tpc<TPC>_<varying|invariant>, launched with
+// selective_scan_fwd_tiled[_local]_<T>_<TB>_tpc<TPC>_<varying|varying_vec|invariant>, launched with
 // Tiled<TPC>::kThreads threads, Tile<T, TPC>::kSharedBytes of dynamic shared memory and a (tiles,
 // batch, chunks) grid. Registers are capped for SSF_MIN_BLOCKS blocks of 128 threads per SM at every
 // TPC (128 a thread).
 #define SSF_TILED_BOUNDS(TPC) __launch_bounds__(Tiled<TPC>::kThreads, SSF_MIN_BLOCKS * 128 / Tiled<TPC>::kThreads)
-#define SSF_TILED_ONE(NAME, T, TB, TPC, VARYING, LOCAL)                                                      \
-    extern "C" __global__ void SSF_TILED_BOUNDS(TPC) NAME(const SelectiveScanFwdParams p) {                  \
-        selective_scan_fwd_tiled<T, TB, TPC, VARYING, LOCAL>(p);                                             \
+#define SSF_TILED_ONE(T, TB, TPC, FORM, NAME)                                                                \
+    extern "C" __global__ void SSF_TILED_BOUNDS(TPC)                                                         \
+        selective_scan_fwd_tiled_##T##_##TB##_tpc##TPC##_##NAME(const SelectiveScanFwdParams p) {            \
+        selective_scan_fwd_tiled<T, TB, TPC, BcForm::FORM, false>(p);                                        \
+    }                                                                                                        \
+    extern "C" __global__ void SSF_TILED_BOUNDS(TPC)                                                         \
+        selective_scan_fwd_tiled_local_##T##_##TB##_tpc##TPC##_##NAME(const SelectiveScanFwdParams p) {      \
+        selective_scan_fwd_tiled<T, TB, TPC, BcForm::FORM, true>(p);                                         \
     }
 #define SSF_TILED_TPC(T, TB, TPC)                                                                            \
-    SSF_TILED_ONE(selective_scan_fwd_tiled_##T##_##TB##_tpc##TPC##_varying, T, TB, TPC, true, false)         \
-    SSF_TILED_ONE(selective_scan_fwd_tiled_##T##_##TB##_tpc##TPC##_invariant, T, TB, TPC, false, false)      \
-    SSF_TILED_ONE(selective_scan_fwd_tiled_local_##T##_##TB##_tpc##TPC##_varying, T, TB, TPC, true, true)    \
-    SSF_TILED_ONE(selective_scan_fwd_tiled_local_##T##_##TB##_tpc##TPC##_invariant, T, TB, TPC, false, true)
-#define SSF_TILED(T, TB) SSF_TILED_TPC(T, TB, 2) SSF_TILED_TPC(T, TB, 4) SSF_TILED_TPC(T, TB, 8)
+    SSF_TILED_ONE(T, TB, TPC, kVarying, varying)                                                             \
+    SSF_TILED_ONE(T, TB, TPC, kVaryingVec, varying_vec) SSF_TILED_ONE(T, TB, TPC, kInvariant, invariant)
+#define SSF_TILED(T, TB) \
+    SSF_TILED_TPC(T, TB, 2) SSF_TILED_TPC(T, TB, 4) SSF_TILED_TPC(T, TB, 8) SSF_TILED_TPC(T, TB, 16) SSF_TILED_TPC(T, TB, 32)
 
 SSF_TILED(f32, f32)
 SSF_TILED(bf16, bf16)

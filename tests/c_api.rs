@@ -324,15 +324,17 @@ fn host_backward_round_trip() {
 }
 
 /// The forward's workspace size: per chunk after the first, per row, a record of the tiled kernel's
-/// states (8 per thread, 2, 4 or 8 threads per channel) and the chunk's sum of dt.
+/// states (8 per thread, 2 to 32 threads per channel) and the chunk's sum of dt.
 #[test]
 fn fwd_workspace_bytes() {
-    // 1 x 128 channels = 2 tiles of 64: 16 chunks of 64 steps (split_plan).
+    // 1 x 128 channels = 2 tiles of 64: 16 chunks of 64 steps (split_plan, at every dstate).
     let bytes = |dstate| xla_ssm_selective_scan_fwd_workspace_bytes(1, 128, 1024, dstate);
-    for (dstate, record) in [(1, 17), (16, 17), (17, 33), (32, 33), (33, 65), (64, 65)] {
+    let records =
+        [(1, 17), (16, 17), (17, 33), (32, 33), (33, 65), (64, 65), (65, 129), (128, 129), (129, 257), (256, 257)];
+    for (dstate, record) in records {
         assert_eq!(bytes(dstate), 15 * 128 * record * 4, "dstate {dstate}");
     }
-    assert_eq!(bytes(65), 0, "the lanes kernel (dstate > 64) never splits");
+    assert_eq!(bytes(257), 0, "past the largest dstate: never splits");
     assert_eq!(xla_ssm_selective_scan_fwd_workspace_bytes(64, 4096, 1024, 16), 0, "enough tiles: no split");
 }
 

@@ -122,8 +122,8 @@ fn roundtrip_all(what: &str, cases: &[Case]) {
 
 const LAYOUTS: [Layout; 2] = [Layout::Bdl, Layout::Bld];
 
-/// Every kind of case, small: odd seqlens, dims that leave a partial 128-channel tile, dstate 1..256,
-/// groups (including ones the tiled kernel takes: one group per 128 channels), both layouts, every
+/// Every kind of case, small: odd seqlens, dims that leave a partial tile of channels, dstate 1..256,
+/// groups (including ones the tiled kernel takes: one group per tile of channels), both layouts, every
 /// optional operand, all dtypes. Many have the contiguous axis (seqlen for "bdl", dim for "bld") a
 /// multiple of 8 but not of the tile length, so the tiled kernel (which wants 16-byte rows) takes
 /// them, with a partial last tile, when forced.
@@ -270,7 +270,7 @@ fn large_cases() {
                 layout: Layout::Bld,
                 ..Case::new(2, 512, 1000, 256).all_optional()
             },
-            // Enough 128-channel tiles to fill an H100: the automatic choice takes the tiled kernel.
+            // Enough 64-channel tiles to fill an H100: the automatic choice takes the tiled kernel.
             Case { dtype: Dt::BF16, bc_dtype: Dt::BF16, ..Case::new(8, 4096, 128, 16).all_optional() },
             Case { dtype: Dt::BF16, layout: Layout::Bld, groups: 0, ..Case::new(8, 4096, 128, 16).all_optional() },
             // The tiled kernel at 4 and 8 threads per channel (dstate 17..32, 33..64), partial ones too.
@@ -278,6 +278,17 @@ fn large_cases() {
             Case { layout: Layout::Bld, ..Case::new(2, 512, 1000, 32).all_optional() },
             Case { dtype: Dt::F16, bc_dtype: Dt::F16, groups: 2, ..Case::new(2, 256, 512, 40).all_optional() },
             Case { layout: Layout::Bld, groups: 0, ..Case::new(2, 192, 256, 20).all_optional() },
+            // 16 and 32 threads per channel (dstate 65..128, 129..256): 32- and 16-channel tiles.
+            Case { dtype: Dt::BF16, bc_dtype: Dt::BF16, ..Case::new(2, 512, 1000, 128).all_optional() },
+            Case { dtype: Dt::BF16, layout: Layout::Bld, groups: 4, ..Case::new(2, 256, 504, 96).all_optional() },
+            Case { dtype: Dt::F16, bc_dtype: Dt::F16, groups: 0, ..Case::new(1, 80, 256, 256).all_optional() },
+            // Channel-last 2-byte B/C of a dstate that is no whole number of 16-byte vectors.
+            Case {
+                dtype: Dt::BF16,
+                bc_dtype: Dt::BF16,
+                layout: Layout::Bld,
+                ..Case::new(2, 256, 256, 100).all_optional()
+            },
         ],
     );
 }
@@ -543,6 +554,45 @@ fn cuda_handler_errors() {
 
 /// Small batch x dim with long sequences: given a workspace (a third result, or the C API's field),
 /// the tiled kernel splits the sequence into chunks (a chunk-local pass, then the final pass).
+/// Time-varying B/C that are not 16-byte aligned (one element in): the tiled kernel stages them element
+/// by element ("varying") instead of as 16-byte vectors.
+#[test]
+fn misaligned_bc() {
+    if !gpu() {
+        return;
+    }
+    let stream = Stream::new();
+    for case in [
+        Case { dtype: Dt::BF16, bc_dtype: Dt::BF16, ..Case::new(2, 128, 200, 16).all_optional() },
+        Case { dtype: Dt::BF16, ..Case::new(2, 64, 96, 64).all_optional() },
+        Case { dtype: Dt::F16, bc_dtype: Dt::F16, ..Case::new(1, 64, 160, 130).all_optional() },
+        Case { layout: Layout::Bld, dtype: Dt::BF16, bc_dtype: Dt::BF16, ..Case::new(1, 64, 96, 136).all_optional() },
+    ] {
+        let p = Problem::random(&case);
+        let r = p.reference();
+        let call = DeviceCall::new(&p);
+        let elem = case.bc_dtype.encode(&[0.0]).len();
+        let shifted = |values: &[f32]| {
+            let mut bytes = vec![0u8; elem];
+            bytes.extend(case.bc_dtype.encode(values));
+            DevBuf::upload(&bytes)
+        };
+        let (b, c) = (shifted(&p.b), shifted(&p.c));
+        let mut args = call.capi_args(&p);
+        // SAFETY: one element into buffers of one element more than B and C.
+        unsafe {
+            args.b = b.data().cast::<u8>().add(elem).cast();
+            args.c = c.data().cast::<u8>().add(elem).cast();
+        }
+        // SAFETY: device pointers of the described sizes, in the current context.
+        let status = unsafe { xla_ssm::capi::xla_ssm_selective_scan_fwd_cuda_launch(&args, stream.ptr()) };
+        assert_eq!(status, xla_ssm::capi::XLA_SSM_OK, "{case:?}");
+        synchronize(stream.ptr());
+        let (out, state) = call.outputs(&case);
+        check_outputs(&p, &r, &out, &state);
+    }
+}
+
 #[test]
 fn split_sequence() {
     if !gpu() {
@@ -560,9 +610,11 @@ fn split_sequence() {
             ..Case::new(1, 64, 777 * 8, 8).all_optional()
         },
         Case { softplus: false, ..Case::new(1, 256, 160, 4).all_optional() },
-        // Records of 33 and 65 floats (4 and 8 threads per channel).
+        // Records of 33, 65, 129 and 257 floats (4 to 32 threads per channel; 32- and 16-channel tiles).
         Case { dtype: Dt::BF16, bc_dtype: Dt::BF16, ..Case::new(1, 128, 1024, 64).all_optional() },
         Case { layout: Layout::Bld, ..Case::new(1, 192, 800, 24).all_optional() },
+        Case { dtype: Dt::BF16, bc_dtype: Dt::BF16, ..Case::new(1, 96, 640, 128).all_optional() },
+        Case { layout: Layout::Bld, groups: 2, ..Case::new(1, 64, 512, 200).all_optional() },
     ];
     for case in &cases {
         let c = case;

@@ -1,7 +1,8 @@
 //! The CUDA launch of the forward scan (kernels/selective_scan_fwd.cu), which picks one of two kernels:
-//! - `tiled`: 2, 4 or 8 threads per channel (dstate <= 16, 32, 64), 8 states each in registers,
-//!   tiles of 64 channels through shared memory. One B/C group per tile, 16-byte aligned rows
-//!   (seqlen, or dim when channel-last, a multiple of 8 / 4 elements for 2- / 4-byte types).
+//! - `tiled`: 2 to 32 threads per channel (dstate <= 16, 32, 64, 128, 256), 8 states each in
+//!   registers, tiles of 64 channels (32 and 16 past dstate 64) through shared memory. One B/C group
+//!   per tile, 16-byte aligned rows (seqlen, or dim when channel-last, a multiple of 8 / 4 elements
+//!   for 2- / 4-byte types); B/C staged as 16-byte vectors where they allow it (`tiled_bc_form`).
 //! - `lanes`: 1..32 lanes per channel with 8 states each; any dstate up to 256, any groups, any
 //!   alignment.
 //!
@@ -9,7 +10,7 @@
 //! the host passes a workspace and batch x dim is small, the tiled kernel splits the sequence
 //! ([`super::split_plan`]): two launches, a chunk-local pass and the final one.
 
-use super::{split_plan, tiled_threads_per_channel, workspace_bytes, Fwd, FwdParams, TILED_MAX_DSTATE, TILE_CHANNELS};
+use super::{split_plan, tiled_channels, tiled_threads_per_channel, workspace_bytes, Fwd, FwdParams, TILED_MAX_DSTATE};
 use crate::error::Result;
 use once_cell::sync::Lazy;
 use std::ffi::c_void;
@@ -22,9 +23,9 @@ const LANES_BLOCK: u32 = 128;
 /// `Tile<T, TPC>::kSharedBytes`: u, delta, z tiles of 64-byte rows padded by a word, f32 dt and gate
 /// rows padded by one, f32 B and C of 8 x `tpc` states.
 fn tiled_shared_bytes(elem_bytes: i64, tpc: i64) -> u32 {
-    let steps = 64 / elem_bytes;
+    let (steps, channels) = (64 / elem_bytes, tiled_channels(tpc));
     let pitch = steps + 4 / elem_bytes;
-    (3 * TILE_CHANNELS * pitch * elem_bytes + 2 * TILE_CHANNELS * (steps + 1) * 4 + 2 * steps * 8 * tpc * 4) as u32
+    (3 * channels * pitch * elem_bytes + 2 * channels * (steps + 1) * 4 + 2 * steps * 8 * tpc * 4) as u32
 }
 
 /// `XLA_SSM_FWD_KERNEL=lanes` forces the lanes kernel (tests use it to cover both).
@@ -43,8 +44,38 @@ fn tiled_supported(fwd: &Fwd) -> bool {
     let contiguous_len = if p.x_stride_seq == 1 { p.seqlen } else { p.dim };
     let aligned = [p.u, p.delta, p.z, p.out as *const c_void].iter().all(|&ptr| (ptr as usize).is_multiple_of(16));
     let vectorizable = aligned && contiguous_len % vec_elems == 0;
-    let one_group_per_tile = !fwd.bc_time_varying || p.dim_per_group == p.dim || p.dim_per_group % TILE_CHANNELS == 0;
+    let channels = tiled_channels(tiled_threads_per_channel(p.dstate));
+    let one_group_per_tile = !fwd.bc_time_varying || p.dim_per_group == p.dim || p.dim_per_group % channels == 0;
     vectorizable && p.dstate <= TILED_MAX_DSTATE && one_group_per_tile && p.batch <= u16::MAX as i64
+}
+
+/// The tiled kernel's form of B/C (`BcForm`): "varying_vec" stages time-varying B/C as 16-byte
+/// vectors along their contiguous axis, which needs them 16-byte aligned and their rows a whole number
+/// of vectors; "varying" takes any strides. Rows along time ("bdl") always take vectors where they
+/// can (element by element, a warp's shared-memory writes conflict: 593 against 629 us at the main
+/// shape, dstate 16). Rows along the states ("bld") take them from dstate 65 on (16 and 32 threads per
+/// channel: 4512 against 4738 us at dstate 128, 9847 against 11911 at 256); below, element by
+/// element was faster (587 against 597 at 16, 2116 against 2194 at 64; H100, BENCHMARKS.md).
+fn tiled_bc_form(fwd: &Fwd, tpc: i64) -> &'static str {
+    let p = &fwd.params;
+    if !fwd.bc_time_varying {
+        return "invariant";
+    }
+    let vec_elems = 16 / fwd.bc_dtype.size_bytes();
+    let (row_len, others) = if p.bc_stride_seq == 1 {
+        (p.seqlen, [p.bc_stride_state, p.bc_stride_group, p.bc_stride_batch])
+    } else if p.bc_stride_state == 1 && tpc >= 16 {
+        (p.dstate, [p.bc_stride_seq, p.bc_stride_group, p.bc_stride_batch])
+    } else {
+        return "varying";
+    };
+    let aligned = [p.b, p.c].iter().all(|&ptr| (ptr as usize).is_multiple_of(16));
+    let whole_vectors = row_len % vec_elems == 0 && others.iter().all(|&x| x % vec_elems == 0);
+    if aligned && whole_vectors {
+        "varying_vec"
+    } else {
+        "varying"
+    }
 }
 
 pub(super) fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
@@ -56,13 +87,14 @@ pub(super) fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
     // The tiled kernel is about 4x faster than the lanes kernel at every shape measured (H100,
     // BENCHMARKS.md), small ones included; lanes covers what tiled does not.
     if tiled_supported(fwd) && !*FORCE_LANES {
-        let form = if fwd.bc_time_varying { "varying" } else { "invariant" };
         let tpc = tiled_threads_per_channel(p.dstate);
-        let tiles = ((p.dim + TILE_CHANNELS - 1) / TILE_CHANNELS) as u64;
+        let form = tiled_bc_form(fwd, tpc);
+        let channels = tiled_channels(tpc);
+        let tiles = ((p.dim + channels - 1) / channels) as u64;
         // Mirror of `Tiled<TPC>::kThreads`.
         let config = |chunks: i64| LaunchConfig {
             grid: (tiles, p.batch as u64, chunks as u64),
-            block: (TILE_CHANNELS * tpc) as u32,
+            block: (channels * tpc) as u32,
             shared_bytes: tiled_shared_bytes(fwd.dtype.size_bytes(), tpc),
         };
         let kernel = format!("selective_scan_fwd_tiled_{types}_tpc{tpc}_{form}");

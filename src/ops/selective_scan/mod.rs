@@ -130,15 +130,24 @@ pub struct Fwd {
     pub workspace_bytes: i64,
 }
 
-/// Channels per block of the CUDA `tiled` kernel (`kTileChannels`).
+/// Channels per block of the CUDA `tiled` kernel up to dstate 64 (`kTileChannels`); the split plans
+/// its chunks in tiles of this many channels at every dstate.
 pub const TILE_CHANNELS: i64 = 64;
-/// Largest dstate of the CUDA `tiled` kernel (`Tiled<8>::kStates`), the only one that splits.
-pub const TILED_MAX_DSTATE: i64 = 64;
+/// Threads of the largest `tiled` block (`kTiledMaxThreads`).
+const TILED_MAX_THREADS: i64 = 512;
+/// Largest dstate of the CUDA `tiled` kernel (`Tiled<32>::kStates`), the only one that splits.
+pub const TILED_MAX_DSTATE: i64 = 256;
 
 /// Threads per channel of the CUDA `tiled` kernel for this dstate (`TPC`: 8 states each, 2 at least).
 pub fn tiled_threads_per_channel(dstate: i64) -> i64 {
     let threads = (dstate.max(1) + 7) / 8;
     (threads.max(2) as u64).next_power_of_two() as i64
+}
+
+/// Channels per block of the CUDA `tiled` kernel at `tpc` threads per channel
+/// (`Tiled<TPC>::kChannels`): 64, fewer where that would take more than 512 threads.
+pub fn tiled_channels(tpc: i64) -> i64 {
+    TILE_CHANNELS.min(TILED_MAX_THREADS / tpc)
 }
 
 /// f32s per (chunk, batch, channel) record of the split: end state (the kernel's states for this
