@@ -10,7 +10,9 @@ status=0
 nvidia-smi -L
 bin_dir="$(mktemp -d)"
 trap 'rm -rf "$bin_dir"' EXIT
-for t in ${XLA_SSM_GPU_TESTS:-ffi_cuda ffi_cuda_bwd ffi_cuda_decode ffi_cuda_ssd}; do
+# The test binaries bundled (gpu-bundle.sh may have been told to bundle fewer), or XLA_SSM_GPU_TESTS.
+bundled="$(ls .bundle/tests 2>/dev/null | sed 's/\.gz$//' | tr '\n' ' ')"
+for t in ${XLA_SSM_GPU_TESTS:-$bundled}; do
   echo "== cargo test binary: $t"
   exe=".bundle/tests/$t"
   if [[ ! -f "$exe" && -f "$exe.gz" ]]; then  # gpu-bundle.sh gzips them
