@@ -169,8 +169,8 @@ template <typename T, int TPC> struct Tile {
 // Where thread `i` reads and writes its share of a [channels x S steps] tile, as vectors of
 // E = 16 / sizeof(T) elements along the contiguous axis: with time contiguous ("bdl") vector v covers
 // steps (v % (S/E)) * E .. + E of row v / (S/E); with channels contiguous ("bld") it covers rows
-// (v % (C/E)) * E .. + E at step v / (C/E), C = Tiled<TPC>::kChannels. v = k * threads + i; a v past the tile
-// gets row C (outside every tile's rows: never loaded or stored).
+// (v % (C/E)) * E .. + E at step v / (C/E), C = Tiled<TPC>::kChannels. v = k * threads + i; a v past
+// the tile gets row C (outside every tile's rows: never loaded or stored).
 template <typename T, int TPC> struct TileMap {
     using Tl = Tile<T, TPC>;
     static constexpr int S = Tl::kSteps, E = Tl::kVecElems, C = Tl::kChannels;

@@ -552,8 +552,6 @@ fn cuda_handler_errors() {
     assert!(out.iter().all(|x| x.is_nan()));
 }
 
-/// Small batch x dim with long sequences: given a workspace (a third result, or the C API's field),
-/// the tiled kernel splits the sequence into chunks (a chunk-local pass, then the final pass).
 /// Time-varying B/C that are not 16-byte aligned (one element in): the tiled kernel stages them element
 /// by element ("varying") instead of as 16-byte vectors.
 #[test]
@@ -593,6 +591,8 @@ fn misaligned_bc() {
     }
 }
 
+/// Small batch x dim with long sequences: given a workspace (a third result, or the C API's field),
+/// the tiled kernel splits the sequence into chunks (a chunk-local pass, then the final pass).
 #[test]
 fn split_sequence() {
     if !gpu() {
