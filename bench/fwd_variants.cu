@@ -143,8 +143,8 @@ int main(int argc, char** argv) {
     CHECK(cudaGetDeviceProperties(&prop, dev));
     // Special-function-unit floor: one ex2 per element at 16 per clock per SM, at 1.755 GHz.
     const double floor_us = double(nx) * N / (prop.multiProcessorCount * 16.0 * 1.755e9) * 1e6;
-    printf("chunks=%lld poly=%d %s B=%lld D=%lld L=%lld N=%lld  tiled %.1f us  lanes %.1f us  exp-floor %.1f us (%.0f%%)  relL2 %.2e\n",
-           (long long)ps.n_chunks, SSF_POLY_STATES, bld ? "bld" : "bdl", (long long)B, (long long)D, (long long)L,
+    printf("chunks=%lld poly=%d group=%d %s B=%lld D=%lld L=%lld N=%lld  tiled %.1f us  lanes %.1f us  exp-floor %.1f us (%.0f%%)  relL2 %.2e\n",
+           (long long)ps.n_chunks, SSF_POLY_STATES, SSF_STEP_GROUP, bld ? "bld" : "bdl", (long long)B, (long long)D, (long long)L,
            (long long)N, t_tiled, t_lanes, floor_us, 100.0 * floor_us / t_tiled, sqrt(num / den));
     return 0;
 }

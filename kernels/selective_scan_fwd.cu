@@ -110,8 +110,10 @@ SSF_ALL_NS(f16, f32)
 // ---------------------------------------------------------------------------------------------
 // Tiled kernel. A block scans 64 channels of one batch row (32 and 16 from dstate 65 on) with TPC
 // threads per channel (2, 4, 8, 16 or 32: dstate <= 16, 32, 64, 128, 256), each holding 8 of its
-// states in registers, so the per-element work is the recurrence alone and a step ends with log2(TPC)
-// shuffles. The sequence goes through in tiles of S steps: u, delta and z pass through shared
+// states in registers, so the per-element work is the recurrence alone. The channel's threads sum
+// their partial outputs a group of steps at a time, by reduce-scatter: each shuffles about one value
+// per step and writes one step of the group (rather than log2(TPC) shuffles a step, and one thread
+// writing). The sequence goes through in tiles of S steps: u, delta and z pass through shared
 // memory (coalesced 16-byte global accesses in either layout; the next tile's loads are in flight in
 // registers while this one is computed), dt = softplus(delta + bias) and the gate silu(z) are
 // computed once per tile for all its steps (the independent work, off the recurrence's critical
@@ -136,6 +138,13 @@ SSF_ALL_NS(f16, f32)
 constexpr int kTileChannels = SSF_TILE_CHANNELS;
 constexpr int kThreadStates = 8;
 constexpr int kPolyStates = SSF_POLY_STATES;
+// Outputs are finished a group of G = min(TPC, SSF_STEP_GROUP) steps at a time: the channel's threads
+// reduce-scatter the group's partial sums, and each writes one step (1: every thread sums every step
+// and one of them writes it, the form before stop 19).
+#ifndef SSF_STEP_GROUP
+#define SSF_STEP_GROUP 8
+#endif
+constexpr int kMaxStepGroup = SSF_STEP_GROUP;
 // Largest block: 512 threads at 128 registers fill an SM's register file.
 constexpr int kTiledMaxThreads = 512;
 
@@ -322,6 +331,8 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     constexpr int N = Tiled<TPC>::kStates, K = kThreadStates, S = Tl::kSteps, P = Tl::kPitch, PF = Tl::kPitchF32;
     constexpr int kThreads = Tiled<TPC>::kThreads, kChunkRecord = Tiled<TPC>::kChunkRecord;
     constexpr int kChannels = Tiled<TPC>::kChannels;
+    constexpr int G = TPC < kMaxStepGroup ? TPC : kMaxStepGroup;
+    static_assert(S % G == 0, "output groups tile the steps");
     extern __shared__ __align__(16) unsigned char shared[];
     float* s_B = reinterpret_cast<float*>(shared);  // [S][N]
     float* s_C = s_B + S * N;
@@ -334,6 +345,12 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     const int c = threadIdx.x / TPC;  // channel in the tile
     const int part = threadIdx.x % TPC;
     const int n0 = part * K;  // first of this thread's states
+    // The step of each output group whose sum this thread ends the reduce-scatter with: in the
+    // round of bit o it keeps the upper half of the steps left when `part` has that bit.
+    int group_step = 0;
+#pragma unroll
+    for (int o = 1, half = G / 2; o < G; o *= 2, half /= 2)
+        if (part & o) group_step += half;
     const int64_t b = blockIdx.y;
     const int64_t d0 = int64_t(blockIdx.x) * kChannels;
     const int64_t d = d0 + c;
@@ -430,11 +447,16 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             s_dtf[c * PF + t] = dt;
             if (!kLocal) s_gate[c * PF + t] = has_z ? silu_fast(to_f32(s_z[c * P + t])) : 1.f;
         }
+        // Steps past the end (in the last tile) get dt = 0, so that their decay is 1 and their input
+        // 0: the step loop runs whole groups. Each thread overwrites steps it wrote above.
+        if (steps < S)
+            for (int t = part + (steps - part + TPC - 1) / TPC * TPC; t < S; t += TPC) s_dtf[c * PF + t] = 0.f;
         __syncthreads();
 
         // Software-pipelined over steps: step t + 1's shared-memory reads are issued before step t's
         // arithmetic, so their latency hides behind it. (Reading one step past the tile stays inside
-        // the padded rows and the shared buffer, and the values are unused.)
+        // the padded rows and the shared buffer, and the values are unused.) Steps go in groups of G
+        // (which divides S), the last one whole.
         struct StepIn {
             float u, dt;
             float4 b[K / 4], c[K / 4];
@@ -452,37 +474,58 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             }
             return in;
         };
+        T* const my_out = s_u + c * P + group_step;  // this thread's step of each group
+        const float* const my_gate = s_gate + c * PF + group_step;
         StepIn next = read_step(0);
-        for (int t = 0; t < steps; ++t) {
-            const StepIn cur = next;
-            next = read_step(t + 1);
-            const float dtu = cur.dt * cur.u;
-            if (kLocal) dt_sum += cur.dt;
-            float Bt[K], Ct[K];
-            if constexpr (kVaryingBC) {
+        for (int g = 0; g < (steps + G - 1) / G; ++g) {
+            float partial[G];  // this thread's share of <C, h> at each step of the group
 #pragma unroll
-                for (int q = 0; q < K / 4; ++q) {
-                    Bt[4 * q] = cur.b[q].x, Bt[4 * q + 1] = cur.b[q].y, Bt[4 * q + 2] = cur.b[q].z, Bt[4 * q + 3] = cur.b[q].w;
-                    Ct[4 * q] = cur.c[q].x, Ct[4 * q + 1] = cur.c[q].y, Ct[4 * q + 2] = cur.c[q].z, Ct[4 * q + 3] = cur.c[q].w;
+            for (int i = 0; i < G; ++i) {
+                const StepIn cur = next;
+                next = read_step(g * G + i + 1);
+                const float dtu = cur.dt * cur.u;
+                if (kLocal) dt_sum += cur.dt;
+                float Bt[K], Ct[K];
+                if constexpr (kVaryingBC) {
+#pragma unroll
+                    for (int q = 0; q < K / 4; ++q) {
+                        Bt[4 * q] = cur.b[q].x, Bt[4 * q + 1] = cur.b[q].y, Bt[4 * q + 2] = cur.b[q].z, Bt[4 * q + 3] = cur.b[q].w;
+                        Ct[4 * q] = cur.c[q].x, Ct[4 * q + 1] = cur.c[q].y, Ct[4 * q + 2] = cur.c[q].z, Ct[4 * q + 3] = cur.c[q].w;
+                    }
+                } else {
+#pragma unroll
+                    for (int k = 0; k < K; ++k) Bt[k] = b_inv[k], Ct[k] = c_inv[k];
                 }
-            } else {
+                float acc[2] = {0.f, 0.f};
 #pragma unroll
-                for (int k = 0; k < K; ++k) Bt[k] = b_inv[k], Ct[k] = c_inv[k];
+                for (int k = 0; k < K; ++k) {
+                    const float x = cur.dt * a2[k];
+                    const float decay = k < kPolyStates ? exp2_fma(x) : ex2_ftz(x);
+                    h[k] = fmaf(decay, h[k], dtu * Bt[k]);
+                    if (!kLocal) acc[k % 2] = fmaf(Ct[k], h[k], acc[k % 2]);
+                }
+                partial[i] = acc[0] + acc[1];
             }
-            float acc[2] = {0.f, 0.f};
+            if constexpr (!kLocal) {
+                // Reduce-scatter over the first G threads of the channel: each round a thread keeps one
+                // half of its partials (by its bit `o`) and adds the partner's share of that half.
 #pragma unroll
-            for (int k = 0; k < K; ++k) {
-                const float x = cur.dt * a2[k];
-                const float decay = k < kPolyStates ? exp2_fma(x) : ex2_ftz(x);
-                h[k] = fmaf(decay, h[k], dtu * Bt[k]);
-                if (!kLocal) acc[k % 2] = fmaf(Ct[k], h[k], acc[k % 2]);
+                for (int o = 1, half = G / 2; o < G; o *= 2, half /= 2) {
+#pragma unroll
+                    for (int i = 0; i < half; ++i) {
+                        const bool upper = part & o;
+                        const float keep = upper ? partial[half + i] : partial[i];
+                        const float send = upper ? partial[i] : partial[half + i];
+                        partial[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+                    }
+                }
+                float y = partial[0];
+#pragma unroll
+                for (int o = G; o < TPC; o *= 2) y += __shfl_xor_sync(0xffffffffu, y, o);
+                // Every thread of the channel has read the group's u before the shuffles; the one that
+                // holds a step's sum writes the output over its u.
+                if (part < G) my_out[g * G] = from_f32<T>(fmaf(skip, to_f32(my_out[g * G]), y) * my_gate[g * G]);
             }
-            if (kLocal) continue;
-            float y = acc[0] + acc[1];
-#pragma unroll
-            for (int offset = 1; offset < TPC; offset *= 2) y += __shfl_xor_sync(0xffffffffu, y, offset);
-            // All the channel's threads have read u[t] before the shuffle; one writes the output over it.
-            if (part == 0) s_u[c * P + t] = from_f32<T>(fmaf(skip, cur.u, y) * s_gate[c * PF + t]);
         }
         __syncthreads();
         if (!kLocal) store_tile(out, s_u, p, map, time_contiguous, x_base, l0, rows, steps);
