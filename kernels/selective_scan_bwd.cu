@@ -98,12 +98,6 @@ template <typename T, int R, int S> struct VecTile {
     }
 };
 
-template <int TPC> __device__ __forceinline__ float sum_channel(float x) {
-#pragma unroll
-    for (int offset = 1; offset < TPC; offset *= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-    return x;
-}
-
 // The order of a thread's states: register k holds state n0 + (k ^ state_perm(lane)), the two
 // halves swapped on lanes with bit 4 set (when it is a channel bit). The reduce-scatter's first round
 // then pairs each lane's low half with its partner's high half, which holds the same states: no lane
@@ -170,6 +164,9 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int c = tid / TPC, thread_part = tid % TPC, n0 = thread_part * K;
+    // Per-(channel, step) sums over the channel's threads go a piece (SUB steps) at a time.
+    using Sums = StepSums<TPC, SUB>;
+    const int first_step = Sums::first_step(thread_part);  // of each piece, the first this thread finishes
     const int perm = state_perm<TPC>(lane);
     const int64_t b = blockIdx.y;
     // Blocks tile each group's channels (time-invariant B/C: one group of all channels).
@@ -514,7 +511,7 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
 
             for (int piece = (steps - 1) / SUB; piece >= 0; --piece) {
                 // Recompute the piece: decays and states of its steps, and y for dz.
-                float hs[K], hp[SUB][K], ap[SUB][K];
+                float hs[K], hp[SUB][K], ap[SUB][K], y_part[SUB];
 #pragma unroll
                 for (int k = 0; k < K; ++k) hs[k] = s_piece[(piece * K + k) * kBwdThreads + tid];
 #pragma unroll
@@ -530,13 +527,26 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                         hp[i][k] = fmaf(ap[i][k], i ? hp[i - 1][k] : hs[k], dtu * Bt[k]);
                         y2[k % 2] = fmaf(Ct[k], hp[i][k], y2[k % 2]);
                     }
-                    const float y = sum_channel<TPC>(y2[0] + y2[1]);
-                    if (thread_part == 0 && p.z) s_dzf[c * P + t] *= fmaf(skip, u, y);
+                    y_part[i] = y2[0] + y2[1];
                 }
-                // The gradient recurrence over the piece, backwards.
+                // dz's factor: y of each step, summed over the channel's threads, each finishing
+                // some steps (all have read the piece's u before the shuffles).
+                if (p.z) {
+                    Sums::reduce(y_part, thread_part);
+                    if (Sums::finisher(thread_part))
+#pragma unroll
+                        for (int e = 0; e < Sums::E; ++e) {
+                            const int t = piece * SUB + first_step + e;
+                            s_dzf[c * P + t] *= fmaf(skip, s_u[c * P + t], y_part[e]);
+                        }
+                }
+                // The gradient recurrence over the piece, backwards. Per step, this thread's shares of
+                // sum_n A w and sum_n g B (for ddelta and du, finished after the piece).
+                float ddt_part[SUB], gb_part[SUB];
 #pragma unroll
                 for (int i = SUB - 1; i >= 0; --i) {
                     const int t = piece * SUB + i;
+                    ddt_part[i] = gb_part[i] = 0.f;
                     if (t >= steps) continue;
                     const float dt = s_dt[c * P + t], u = s_u[c * P + t], dy = s_dy[c * P + t], dtu = dt * u;
                     float Bt[K], Ct[K], db[K], dc[K];
@@ -553,18 +563,8 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                         dc[k] = dy * hp[i][k];
                         g[k] = ap[i][k] * gk;
                     }
-                    // ddt = sum_n g (B u + A a h[l-1]); du = dt sum_n g B + D dy.
-                    const float gb = sum_channel<TPC>(gb2[0] + gb2[1]);
-                    const float ddt = fmaf(u, gb, sum_channel<TPC>(ddt_a[0] + ddt_a[1]));
-                    const float du = fmaf(dt, gb, skip * dy);
-                    if (thread_part == 0 && active) {
-                        const float ddelta = ddt * s_sig[c * P + t];
-                        // u and dt of this step have been read by all the channel's threads (the shuffles).
-                        s_u[c * P + t] = du;
-                        s_dt[c * P + t] = ddelta;
-                        dD = fmaf(dy, u, dD);
-                        dbias += ddelta;
-                    }
+                    ddt_part[i] = ddt_a[0] + ddt_a[1];
+                    gb_part[i] = gb2[0] + gb2[1];
                     if constexpr (kVaryingBC) {
                         bool writer;
                         int first;
@@ -584,6 +584,22 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                         for (int k = 0; k < K; ++k) db_inv[k] += db[k], dc_inv[k] += dc[k];
                     }
                 }
+                // ddt = sum_n g (B u + A a h[l-1]); du = dt sum_n g B + D dy: the sums over the
+                // channel's threads, each finishing some steps (all have read the piece's u and dt).
+                Sums::reduce(ddt_part, thread_part);
+                Sums::reduce(gb_part, thread_part);
+                if (Sums::finisher(thread_part) && active)
+#pragma unroll
+                    for (int e = 0; e < Sums::E; ++e) {
+                        const int t = piece * SUB + first_step + e;
+                        if (t >= steps) continue;
+                        const float u = s_u[c * P + t], dt = s_dt[c * P + t], dy = s_dy[c * P + t];
+                        const float ddelta = fmaf(u, gb_part[e], ddt_part[e]) * s_sig[c * P + t];
+                        s_u[c * P + t] = fmaf(dt, gb_part[e], skip * dy);
+                        s_dt[c * P + t] = ddelta;
+                        dD = fmaf(dy, u, dD);
+                        dbias += ddelta;
+                    }
                 if constexpr (kVaryingBC) {
                     // After the first piece of a window: its dB/dC sums over the block's warps, in
                     // warp order, to the workspace.
@@ -634,6 +650,12 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
         }
     }
 
+    // dD and ddelta_bias: each of the channel's first R threads summed its own steps.
+#pragma unroll
+    for (int o = 1; o < Sums::R; o *= 2) {
+        dD += __shfl_xor_sync(0xffffffffu, dD, o);
+        dbias += __shfl_xor_sync(0xffffffffu, dbias, o);
+    }
     if (!active) return;
 #pragma unroll
     for (int k = 0; k < K; ++k) {

@@ -331,7 +331,8 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     constexpr int N = Tiled<TPC>::kStates, K = kThreadStates, S = Tl::kSteps, P = Tl::kPitch, PF = Tl::kPitchF32;
     constexpr int kThreads = Tiled<TPC>::kThreads, kChunkRecord = Tiled<TPC>::kChunkRecord;
     constexpr int kChannels = Tiled<TPC>::kChannels;
-    constexpr int G = TPC < kMaxStepGroup ? TPC : kMaxStepGroup;
+    constexpr int G = TPC < kMaxStepGroup ? TPC : kMaxStepGroup;  // one step per thread of a group
+    using Sums = StepSums<TPC, G>;
     static_assert(S % G == 0, "output groups tile the steps");
     extern __shared__ __align__(16) unsigned char shared[];
     float* s_B = reinterpret_cast<float*>(shared);  // [S][N]
@@ -345,12 +346,6 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     const int c = threadIdx.x / TPC;  // channel in the tile
     const int part = threadIdx.x % TPC;
     const int n0 = part * K;  // first of this thread's states
-    // The step of each output group whose sum this thread ends the reduce-scatter with: in the
-    // round of bit o it keeps the upper half of the steps left when `part` has that bit.
-    int group_step = 0;
-#pragma unroll
-    for (int o = 1, half = G / 2; o < G; o *= 2, half /= 2)
-        if (part & o) group_step += half;
     const int64_t b = blockIdx.y;
     const int64_t d0 = int64_t(blockIdx.x) * kChannels;
     const int64_t d = d0 + c;
@@ -474,8 +469,8 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             }
             return in;
         };
-        T* const my_out = s_u + c * P + group_step;  // this thread's step of each group
-        const float* const my_gate = s_gate + c * PF + group_step;
+        T* const my_out = s_u + c * P + Sums::first_step(part);  // this thread's step of each group
+        const float* const my_gate = s_gate + c * PF + Sums::first_step(part);
         StepIn next = read_step(0);
         for (int g = 0; g < (steps + G - 1) / G; ++g) {
             float partial[G];  // this thread's share of <C, h> at each step of the group
@@ -507,24 +502,11 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
                 partial[i] = acc[0] + acc[1];
             }
             if constexpr (!kLocal) {
-                // Reduce-scatter over the first G threads of the channel: each round a thread keeps one
-                // half of its partials (by its bit `o`) and adds the partner's share of that half.
-#pragma unroll
-                for (int o = 1, half = G / 2; o < G; o *= 2, half /= 2) {
-#pragma unroll
-                    for (int i = 0; i < half; ++i) {
-                        const bool upper = part & o;
-                        const float keep = upper ? partial[half + i] : partial[i];
-                        const float send = upper ? partial[i] : partial[half + i];
-                        partial[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
-                    }
-                }
-                float y = partial[0];
-#pragma unroll
-                for (int o = G; o < TPC; o *= 2) y += __shfl_xor_sync(0xffffffffu, y, o);
+                Sums::reduce(partial, part);
                 // Every thread of the channel has read the group's u before the shuffles; the one that
                 // holds a step's sum writes the output over its u.
-                if (part < G) my_out[g * G] = from_f32<T>(fmaf(skip, to_f32(my_out[g * G]), y) * my_gate[g * G]);
+                if (Sums::finisher(part))
+                    my_out[g * G] = from_f32<T>(fmaf(skip, to_f32(my_out[g * G]), partial[0]) * my_gate[g * G]);
             }
         }
         __syncthreads();
