@@ -187,8 +187,12 @@ template <typename T> int run(const Cfg& cf) {
     const int64_t blocks = (D / std::max<int64_t>(group_dim, 1)) * tiles * Bt;
     int64_t n_split = 1;
     if (blocks > 0 && 2 * blocks < split_target && ncp >= 2) {
-        const int64_t want = std::min<int64_t>((split_target + blocks - 1) / blocks, ncp);
+        const int64_t want = std::min<int64_t>(split_target / blocks, ncp);
         const int64_t per = (ncp + want - 1) / want;
+        n_split = (ncp + per - 1) / per;
+    }
+    if (getenv("SSB_PARTS")) {  // another split to compare (wants parts <= checkpoints)
+        const int64_t per = (ncp + atoll(getenv("SSB_PARTS")) - 1) / atoll(getenv("SSB_PARTS"));
         n_split = (ncp + per - 1) / per;
     }
     const int64_t part_len = (ncp + n_split - 1) / n_split * cf.ckl;

@@ -40,6 +40,7 @@ template <int TPC> struct BwdShape {
     static constexpr int P = S + 1;              // pitch of the per-(channel, step) rows
     // Steps of dB/dC warp partials gathered before the block sums them.
     static constexpr int FLUSH = NMAX <= 32 ? 16 : NMAX <= 64 ? 8 : 4;
+    static_assert(FLUSH % SUB == 0, "a piece's steps fall in one flush window");
     // Shared memory, in floats: five [CB][P] rows (u then du, dt then ddelta, softplus' derivative,
     // dy, dz's factor then dz); B and C [S][NMAX]; the piece starts [NSUB][K][threads]; the warps'
     // dB/dC partials [warps][FLUSH][2][NMAX]; then the tile starts [tiles][K][threads]; then, when
@@ -541,13 +542,15 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                         }
                 }
                 // The gradient recurrence over the piece, backwards. Per step, this thread's shares of
-                // sum_n A w and sum_n g B (for ddelta and du, finished after the piece).
+                // sum_n A w and sum_n g B (for ddelta and du, finished after the piece). Steps past the
+                // tile's end (staged as zeros: dt = u = dy = 0, and time-varying B = C = 0) leave g,
+                // dA, dB and dC as they are, and their other sums are not written: no branch per step.
                 float ddt_part[SUB], gb_part[SUB];
+                // This warp's dB/dC rows for the piece's steps in the flush window.
+                float* const warp_sums = s_warp + (warp * Sh::FLUSH + (piece * SUB) % Sh::FLUSH) * 2 * NMAX + n0;
 #pragma unroll
                 for (int i = SUB - 1; i >= 0; --i) {
                     const int t = piece * SUB + i;
-                    ddt_part[i] = gb_part[i] = 0.f;
-                    if (t >= steps) continue;
                     const float dt = s_dt[c * P + t], u = s_u[c * P + t], dy = s_dy[c * P + t], dtu = dt * u;
                     float Bt[K], Ct[K], db[K], dc[K];
                     load_bc(t, Bt, Ct, true);
@@ -570,7 +573,7 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                         int first;
                         const int count = reduce_scatter_channels<TPC>(db, lane, first, writer);
                         reduce_scatter_channels<TPC>(dc, lane, first, writer);
-                        float* w = s_warp + (warp * Sh::FLUSH + t % Sh::FLUSH) * 2 * NMAX + n0;
+                        float* w = warp_sums + i * 2 * NMAX;
                         if (writer) {
 #pragma unroll
                             for (int j = 0; j < 8; ++j) {
@@ -606,14 +609,27 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                     constexpr int FL = Sh::FLUSH;
                     if ((piece * SUB) % FL == 0) {
                         __syncthreads();
-                        for (int i = tid; i < FL * 2 * NMAX; i += kBwdThreads) {
+                        // Four states at a time where the rows are 16-byte aligned.
+                        const int V = N % 4 == 0 && aligned(p.workspace) ? 4 : 1;
+                        for (int i = tid * V; i < FL * 2 * NMAX; i += kBwdThreads * V) {
                             const int step = i / (2 * NMAX), which = (i / NMAX) % 2, n = i % NMAX;
                             const int t = piece * SUB + step;
                             if (n >= N || t >= steps) continue;
-                            float sum = 0.f;
+                            float* dst = (which ? dC_part : dB_part) + block_part + (l0 + t) * N + n;
+                            if (V == 4) {
+                                float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-                            for (int wi = 0; wi < kBwdWarps; ++wi) sum += s_warp[((wi * FL + step) * 2 + which) * NMAX + n];
-                            (which ? dC_part : dB_part)[block_part + (l0 + t) * N + n] = sum;
+                                for (int wi = 0; wi < kBwdWarps; ++wi) {
+                                    const float4 v = *reinterpret_cast<const float4*>(s_warp + ((wi * FL + step) * 2 + which) * NMAX + n);
+                                    sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+                                }
+                                *reinterpret_cast<float4*>(dst) = sum;
+                            } else {
+                                float sum = 0.f;
+#pragma unroll
+                                for (int wi = 0; wi < kBwdWarps; ++wi) sum += s_warp[((wi * FL + step) * 2 + which) * NMAX + n];
+                                *dst = sum;
+                            }
                         }
                         if (piece > 0) __syncthreads();  // before the next window overwrites the partials
                     }

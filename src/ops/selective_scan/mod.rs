@@ -166,13 +166,15 @@ pub const SPLIT_MIN_CHUNK: i64 = 64;
 /// GPU idle, so the sequence is cut into chunks scanned in parallel: a first pass records each
 /// chunk's end state from zero, a second carries the true states in and writes the output. Only
 /// when there are fewer than [`FWD_SPLIT_TARGET_BLOCKS`] / 2 tiles of channels; depends on the shape
-/// alone, so that a host can size the workspace before it knows the device.
+/// alone, so that a host can size the workspace before it knows the device. As many chunks as fit
+/// the target in one wave: one more (a second wave of a few blocks) cost 8% at 1 x 4096 x 16384
+/// (BENCHMARKS.md).
 pub fn split_plan(batch: i64, dim: i64, seqlen: i64) -> (i64, i64) {
     let tiles = batch * ((dim + TILE_CHANNELS - 1) / TILE_CHANNELS);
     if tiles == 0 || 2 * tiles >= FWD_SPLIT_TARGET_BLOCKS || seqlen < 2 * SPLIT_MIN_CHUNK {
         return (seqlen, 1);
     }
-    let chunks = ((FWD_SPLIT_TARGET_BLOCKS + tiles - 1) / tiles).min(seqlen / SPLIT_MIN_CHUNK);
+    let chunks = (FWD_SPLIT_TARGET_BLOCKS / tiles).min(seqlen / SPLIT_MIN_CHUNK);
     // A whole number of tile steps (32 for 2-byte types, 16 for f32).
     let chunk_len = ((seqlen + chunks - 1) / chunks + 31) / 32 * 32;
     (chunk_len, (seqlen + chunk_len - 1) / chunk_len)
@@ -239,13 +241,14 @@ pub fn bwd_layout(batch: i64, dim: i64, seqlen: i64, dstate: i64, groups: i64, c
     let (n_groups, group_dim) = if groups > 0 { (groups, dim / groups) } else { (1, dim) };
     let tiles_per_group = (group_dim + channels - 1) / channels;
     let blocks = n_groups * tiles_per_group * batch;
-    // As the forward: a small batch x dim leaves the GPU idle, so the sequence is cut into parts.
+    // As the forward: a small batch x dim leaves the GPU idle, so the sequence is cut into parts,
+    // as many as fit the target in one wave (one more, a second wave of a few blocks, cost 27-30%).
     let target = BWD_BLOCKS_PER_SM * SPLIT_SMS;
     let chunks = n_checkpoints(seqlen, if checkpoint_len > 0 { checkpoint_len } else { CHECKPOINT_MULTIPLE });
     let (n_split, part_len) = if blocks == 0 || 2 * blocks >= target || chunks < 2 {
         (1, chunks * checkpoint_len.max(CHECKPOINT_MULTIPLE))
     } else {
-        let want = ((target + blocks - 1) / blocks).min(chunks);
+        let want = (target / blocks).min(chunks);
         let per_part = (chunks + want - 1) / want;
         ((chunks + per_part - 1) / per_part, per_part * checkpoint_len.max(CHECKPOINT_MULTIPLE))
     };
@@ -855,4 +858,43 @@ pub fn bwd_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
         workspace: workspace.as_ref(),
     })?;
     run_bwd(&bwd, platform)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The splits fill the GPU in one wave: as many parts as fit the target, never one more (a
+    /// second wave of a few blocks cost the forward 8% and the backward 27-30%).
+    #[test]
+    fn splits_fit_one_wave() {
+        // (batch, dim, seqlen, forward chunks, backward parts at checkpoint_len 32)
+        let cases = [
+            (1, 4096, 16384, 8, 4),  // 64 tiles / blocks: 528 / 64 = 8.25, 264 / 64 = 4.1
+            (2, 4096, 8192, 4, 2),   // 128: 4.1, 2.06
+            (1, 2048, 8192, 16, 8),  // 32: 16.5, 8.25
+            (1, 1536, 2048, 22, 11), // 24: 22 and 11 exactly
+            (8, 4096, 2048, 1, 1),   // enough blocks: no split
+        ];
+        for (batch, dim, seqlen, chunks, parts) in cases {
+            let (chunk_len, n_chunks) = split_plan(batch, dim, seqlen);
+            assert_eq!(n_chunks, chunks, "forward {batch}x{dim}x{seqlen}");
+            assert!(chunk_len * n_chunks >= seqlen && chunk_len % 32 == 0);
+            let layout = bwd_layout(batch, dim, seqlen, 16, 1, 32);
+            assert_eq!(layout.n_split, parts, "backward {batch}x{dim}x{seqlen}");
+            assert!(layout.part_len * layout.n_split >= seqlen && layout.part_len % 32 == 0);
+        }
+        for batch in 1..=4 {
+            for dim in [64, 640, 1536, 2048, 4096] {
+                let tiles = batch * ((dim + TILE_CHANNELS - 1) / TILE_CHANNELS);
+                let (_, n_chunks) = split_plan(batch, dim, 1 << 15);
+                assert!(n_chunks == 1 || n_chunks * tiles <= FWD_SPLIT_TARGET_BLOCKS, "{batch}x{dim}");
+                let layout = bwd_layout(batch, dim, 1 << 15, 16, 1, 32);
+                assert!(
+                    layout.n_split == 1 || layout.n_split * tiles <= BWD_BLOCKS_PER_SM * SPLIT_SMS,
+                    "{batch}x{dim}"
+                );
+            }
+        }
+    }
 }
