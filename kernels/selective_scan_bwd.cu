@@ -20,6 +20,8 @@
 // where it ends, and each part's block carries the true g in from the records of the parts after it.
 #include "selective_scan.cuh"
 
+#include <type_traits>
+
 // Tuning knob (bench/bwd_variants.sh builds variants with -D).
 #ifndef SSB_PIECE_STEPS
 #define SSB_PIECE_STEPS 4
@@ -609,28 +611,28 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                     constexpr int FL = Sh::FLUSH;
                     if ((piece * SUB) % FL == 0) {
                         __syncthreads();
-                        // Four states at a time where the rows are 16-byte aligned.
-                        const int V = N % 4 == 0 && aligned(p.workspace) ? 4 : 1;
-                        for (int i = tid * V; i < FL * 2 * NMAX; i += kBwdThreads * V) {
-                            const int step = i / (2 * NMAX), which = (i / NMAX) % 2, n = i % NMAX;
-                            const int t = piece * SUB + step;
-                            if (n >= N || t >= steps) continue;
-                            float* dst = (which ? dC_part : dB_part) + block_part + (l0 + t) * N + n;
-                            if (V == 4) {
-                                float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+                        // V states a thread: 4 (16-byte loads and stores) where the rows are 16-byte aligned.
+                        auto flush = [&](auto states) {
+                            constexpr int V = decltype(states)::value;
+                            struct alignas(4 * V) Vec {
+                                float f[V];
+                            };
+                            for (int i = tid * V; i < FL * 2 * NMAX; i += kBwdThreads * V) {
+                                const int step = i / (2 * NMAX), which = (i / NMAX) % 2, n = i % NMAX;
+                                const int t = piece * SUB + step;
+                                if (n >= N || t >= steps) continue;
+                                Vec sum = {};
 #pragma unroll
                                 for (int wi = 0; wi < kBwdWarps; ++wi) {
-                                    const float4 v = *reinterpret_cast<const float4*>(s_warp + ((wi * FL + step) * 2 + which) * NMAX + n);
-                                    sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
-                                }
-                                *reinterpret_cast<float4*>(dst) = sum;
-                            } else {
-                                float sum = 0.f;
+                                    const Vec v = *reinterpret_cast<const Vec*>(s_warp + ((wi * FL + step) * 2 + which) * NMAX + n);
 #pragma unroll
-                                for (int wi = 0; wi < kBwdWarps; ++wi) sum += s_warp[((wi * FL + step) * 2 + which) * NMAX + n];
-                                *dst = sum;
+                                    for (int e = 0; e < V; ++e) sum.f[e] += v.f[e];
+                                }
+                                *reinterpret_cast<Vec*>((which ? dC_part : dB_part) + block_part + (l0 + t) * N + n) = sum;
                             }
-                        }
+                        };
+                        if (N % 4 == 0 && aligned(p.workspace)) flush(std::integral_constant<int, 4>{});
+                        else flush(std::integral_constant<int, 1>{});
                         if (piece > 0) __syncthreads();  // before the next window overwrites the partials
                     }
                 }

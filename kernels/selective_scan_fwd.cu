@@ -469,8 +469,9 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             }
             return in;
         };
-        T* const my_out = s_u + c * P + Sums::first_step(part);  // this thread's step of each group
-        const float* const my_gate = s_gate + c * PF + Sums::first_step(part);
+        const int my_step = Sums::first_step(part);  // this thread's step of each group
+        T* const my_out = s_u + c * P + my_step;
+        const float* const my_gate = s_gate + c * PF + my_step;
         StepIn next = read_step(0);
         for (int g = 0; g < (steps + G - 1) / G; ++g) {
             float partial[G];  // this thread's share of <C, h> at each step of the group
