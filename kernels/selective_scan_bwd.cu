@@ -494,15 +494,15 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
             // or its only tile; every chunk but the last is whole).
             if (tile > 0) copy_tile_ahead(l0 - S, S);
             else if (chunk > ck_begin) copy_tile_ahead(c_begin - p.checkpoint_len, S);
-            // The state entering each piece of the tile.
+            // The state entering each piece of the tile (the last piece's steps lead nowhere).
 #pragma unroll
             for (int k = 0; k < K; ++k) h[k] = s_tile[(tile * K + k) * kBwdThreads + tid];
             for (int piece = 0; piece * SUB < steps; ++piece) {
 #pragma unroll
                 for (int k = 0; k < K; ++k) s_piece[(piece * K + k) * kBwdThreads + tid] = h[k];
+                if ((piece + 1) * SUB >= steps) break;
 #pragma unroll
-                for (int i = 0; i < SUB; ++i)
-                    if (piece * SUB + i < steps) step_forward(piece * SUB + i, h);
+                for (int i = 0; i < SUB; ++i) step_forward(piece * SUB + i, h);
             }
             if (tile == 0 && chunk > ck_begin) {
                 // The chunk before's checkpoint, into the slot read above (its values used since).
