@@ -191,8 +191,10 @@ template <typename T> int run(const Cfg& cf) {
         const int64_t per = (ncp + want - 1) / want;
         n_split = (ncp + per - 1) / per;
     }
-    if (getenv("SSB_PARTS")) {  // another split to compare (wants parts <= checkpoints)
-        const int64_t per = (ncp + atoll(getenv("SSB_PARTS")) - 1) / atoll(getenv("SSB_PARTS"));
+    const char* parts = getenv("SSB_PARTS");  // another split to compare (1 .. checkpoints)
+    if (parts && ncp > 0) {
+        const int64_t want = std::min<int64_t>(std::max<int64_t>(atoll(parts), 1), ncp);
+        const int64_t per = (ncp + want - 1) / want;
         n_split = (ncp + per - 1) / per;
     }
     const int64_t part_len = (ncp + n_split - 1) / n_split * cf.ckl;
