@@ -271,6 +271,19 @@ int main(int argc, char** argv) {
     if (d_mode) cmp("dD", rdD, host_f32(dD_d, Dv.size()), tol);
     if (has_bias) cmp("dbias", rdbias, host_f32(dbias_d, H), tol);
     cmp("dh0", rdh0, host_f32(dh0_d, h0.size()), tol);
+    // Deterministic: a second run gives bitwise the same gradients.
+    {
+        const std::vector<float> dx1 = host_t(dx_d, x.size()), dB1 = host_t(dB_d, Bv.size()), dC1 = host_t(dC_d, Cv.size());
+        launch();
+        CK(cudaDeviceSynchronize());
+        const std::vector<float> dx2 = host_t(dx_d, x.size()), dB2 = host_t(dB_d, Bv.size()), dC2 = host_t(dC_d, Cv.size());
+        auto same = [](const std::vector<float>& u, const std::vector<float>& v) {
+            return u.size() == v.size() && memcmp(u.data(), v.data(), u.size() * sizeof(float)) == 0;
+        };
+        const bool repeat = same(dx1, dx2) && same(dB1, dB2) && same(dC1, dC2);
+        printf("  rerun  %s\n", repeat ? "bitwise equal" : "DIFFERS FAIL");
+        ok = ok && repeat;
+    }
     printf("%s\n", ok ? "OK" : "FAIL");
     return ok ? 0 : 1;
 }
