@@ -198,8 +198,6 @@ int main(int argc, char** argv) {
     a.q.ddt_bias = has_bias ? dbias_d : nullptr;
     a.q.dinitial_states = dh0_d;
     const int64_t tpc = chunk / 64;
-    CK(cudaMalloc(&a.db_part, B * L * H * N * 2 + 4));
-    CK(cudaMalloc(&a.dc_part, B * L * H * N * 2 + 4));
     // The launcher's split (mirrored in src/ops/ssd/plan.rs): parts of whole chunks, as many as one wave holds.
     int64_t parts = std::max<int64_t>(1, std::min<int64_t>(264 / std::max<int64_t>(B * H, 1), NC));
     if (getenv("SSD_BWD_PARTS")) parts = atoll(getenv("SSD_BWD_PARTS"));
@@ -211,8 +209,14 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&a.dd_part, a.n_parts * B * H * P * 4 + 4));
     CK(cudaMalloc(&a.scratch, a.n_parts * B * H * std::max<int64_t>(tpc - 1, 0) * P * N * 4 + 4));
     CK(cudaMalloc(&a.records, (a.n_parts - 1) * B * H * (P * N + 1) * 4 + 4));
+    const int64_t pairs = tpc * (tpc + 1) / 2;
+    CK(cudaMalloc(&a.s_chunk, B * H * NC * P * N * 2 + 16));
+    CK(cudaMalloc(&a.ds_chunk, B * H * NC * P * N * 2 + 16));
+    CK(cudaMalloc(&a.scal, B * H * NC * chunk * 8 + 16));
+    CK(cudaMalloc(&a.msum, B * NC * G * ssd_mma::kMsumSplit * pairs * 64 * 64 * 4 + 16));
 
-    auto launch = [&](bool reductions = true) {
+    // stages: 1 the main kernels, 2 the head sums and the reductions after them.
+    auto launch = [&](int stages = 3) {
         const int smem = int(N == 64 ? sizeof(ssd_mma::BwdSmem<bf16, 64>) : sizeof(ssd_mma::BwdSmem<bf16, 128>));
         auto k = g_bf16 ? (N == 64 ? ssd_bwd_mma_bf16_n64 : ssd_bwd_mma_bf16_n128)
                         : (N == 64 ? ssd_bwd_mma_f16_n64 : ssd_bwd_mma_f16_n128);
@@ -220,11 +224,22 @@ int main(int argc, char** argv) {
                          : (N == 64 ? ssd_bwd_mma_local_f16_n64 : ssd_bwd_mma_local_f16_n128);
         CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         CK(cudaFuncSetAttribute(kl, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        if (B * H > 0 && a.n_parts > 1) kl<<<dim3(unsigned(B * H), unsigned(a.n_parts - 1)), ssd_mma::kThreads, smem>>>(a);
-        if (B * H > 0) k<<<dim3(unsigned(B * H), unsigned(a.n_parts)), ssd_mma::kThreads, smem>>>(a);
-        if (!reductions) return;
-        const int64_t total = B * L * G * N / 8;
-        if (total > 0) (g_bf16 ? ssd_bwd_reduce_bc_bf16 : ssd_bwd_reduce_bc_f16)<<<unsigned(std::min<int64_t>((total + 255) / 256, 4096)), 256>>>(a);
+        if ((stages & 1) && B * H > 0 && a.n_parts > 1) kl<<<dim3(unsigned(B * H), unsigned(a.n_parts - 1)), ssd_mma::kThreads, smem>>>(a);
+        if ((stages & 1) && B * H > 0) k<<<dim3(unsigned(B * H), unsigned(a.n_parts)), ssd_mma::kThreads, smem>>>(a);
+        if (!(stages & 2)) return;
+        if (B * H * NC > 0) {
+            const unsigned units = unsigned(B * NC * G);
+            (g_bf16 ? ssd_bwd_chunk_scalars_bf16 : ssd_bwd_chunk_scalars_f16)<<<unsigned((B * H * NC + 3) / 4), 128>>>(a);
+            auto msum = g_bf16 ? ssd_bwd_head_msum_bf16 : ssd_bwd_head_msum_f16;
+            const int msum_smem = int(2 * ssd_mma::MsumStage(chunk).bytes);
+            CK(cudaFuncSetAttribute(msum, cudaFuncAttributeMaxDynamicSharedMemorySize, msum_smem));
+            msum<<<unsigned(units * ssd_mma::kMsumSplit), 32 * ssd_mma::kMsumWarps, msum_smem>>>(a);
+            const int bc_smem = int(ssd_mma::kBcStages * (N == 64 ? ssd_mma::BcStage<bf16, 64>(chunk).bytes : ssd_mma::BcStage<bf16, 128>(chunk).bytes));
+            auto bc = g_bf16 ? (N == 64 ? ssd_bwd_bc_sums_bf16_n64 : ssd_bwd_bc_sums_bf16_n128)
+                             : (N == 64 ? ssd_bwd_bc_sums_f16_n64 : ssd_bwd_bc_sums_f16_n128);
+            CK(cudaFuncSetAttribute(bc, cudaFuncAttributeMaxDynamicSharedMemorySize, bc_smem));
+            bc<<<dim3(units, 2), unsigned(2 * chunk), bc_smem>>>(a);
+        }
         ssd_bwd_reduce_params<<<unsigned((H * 64 + 127) / 128), 128>>>(a);
         CK(cudaGetLastError());
     };
@@ -234,11 +249,11 @@ int main(int argc, char** argv) {
         cudaEvent_t e0, e1;
         CK(cudaEventCreate(&e0));
         CK(cudaEventCreate(&e1));
-        auto median_us = [&](bool reductions) {
+        auto median_us = [&](int stages) {
             std::vector<float> ts;
             for (int i = 0; i < 10; ++i) {
                 CK(cudaEventRecord(e0));
-                launch(reductions);
+                launch(stages);
                 CK(cudaEventRecord(e1));
                 CK(cudaEventSynchronize(e1));
                 float ms;
@@ -248,8 +263,8 @@ int main(int argc, char** argv) {
             std::sort(ts.begin(), ts.end());
             return ts[5];
         };
-        printf("TIME %.1f us (backward kernels incl. reductions; the main kernel alone %.1f us)\n", median_us(true),
-               median_us(false));
+        printf("TIME %.1f us (backward kernels incl. reductions; the main kernel alone %.1f us; the head sums and reductions %.1f us)\n",
+               median_us(3), median_us(1), median_us(2));
         return 0;
     }
 

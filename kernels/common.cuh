@@ -33,6 +33,34 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+// The dynamic shared memory the block was launched with.
+__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
+    uint32_t v;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(v));
+    return v;
+}
+// Waits until at most N of this thread's cp.async groups are pending.
+template <int N> __device__ __forceinline__ void cp_async_wait_group() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+// body(i, stage) for i in [0, n), the block's copies for item i issued STAGES - 1 items ahead by
+// load(i, stage) (cp.async only; one commit group per item) into ring slot `stage`.
+template <int STAGES, typename Load, typename Body>
+__device__ __forceinline__ void cp_async_pipeline(int64_t n, Load load, Body body) {
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < n) load(int64_t(s), s);
+        cp_async_commit();
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t next = i + STAGES - 1;
+        if (next < n) load(next, int(next % STAGES));
+        cp_async_commit();
+        cp_async_wait_group<STAGES - 1>();
+        __syncthreads();
+        body(i, int(i % STAGES));
+        __syncthreads();  // before a later load refills this slot
+    }
+}
 // 4 bytes global -> shared (through L1: .ca is the only form for 4-byte copies); zero-filled when !valid.
 __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0));

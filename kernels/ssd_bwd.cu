@@ -8,13 +8,15 @@
 // thread its own accumulators). Per tile, with cum, dt, w as in the forward, L[t, s] = 2^(cum_t -
 // cum_s) for s <= t, S the state entering the tile (rounded to T as an mma operand):
 //   dx  = (B C^T o L)^T-ish products:  dx[s]  = dt_s sum_t L (C_t.B_s) dy_t + w_s (dS B_s) + D dy_s
-//   dB[s] = dt_s sum_t L (dy_t.x_s) C_t + w_s x_s^T dS         (per head; summed over the group later)
-//   dC[t] = sum_s L dt_s (dy_t.x_s) B_s + 2^cum_t dy_t S        (likewise)
+//   dB[s] = dt_s sum_t L (dy_t.x_s) C_t + w_s x_s^T dS         (per head, summed over the group: bc_sums)
+//   dC[t] = sum_s L dt_s (dy_t.x_s) B_s + 2^cum_t dy_t S        (likewise; only its y term here)
 //   dS   <- 2^cum_last dS + sum_t 2^cum_t dy_t^T C_t
 // and ddt / dA from the gradient of cum (see tile_dt_grads). Warp w computes the step-major products
-// for rows s = 16w.. (columns t >= s) and t = 16w.. (columns s <= t). dB and dC go to per-head f32
-// partials in the workspace; dA, ddt_bias and dD to per-(batch, head) partials; the reduce kernels
-// sum them in a fixed order (no atomics: bitwise-repeatable).
+// for rows s = 16w.. (columns t >= s) and t = 16w.. (columns s <= t). dB and dC are not formed here:
+// per head they would be as large as B and C times the group's heads, so the main kernel stores each
+// chunk's S and dS instead and the head-sum kernels below form dB and dC summed over the group's
+// heads, a chunk at a time. dA, ddt_bias and dD go to per-(batch, head) partials; the reduce kernel
+// sums them in a fixed order (no atomics: bitwise-repeatable).
 #include "ssd_mma.cuh"
 
 namespace ssd_mma {
@@ -22,11 +24,7 @@ namespace ssd_mma {
 // Workspace views of a backward launch (mirror of `BwdMmaParams` in src/ops/ssd/cuda_mma.rs).
 struct SsdBwdMmaParams {
     SsdBwdParams q;
-    // (batch, seqlen, heads, dstate) per-head dB and dC in the inputs' type T: half the traffic of
-    // f32 (these partials were a fifth of the backward's time), T's precision; summed in f32. (bf16
-    // partials for f16 inputs lost f16's precision in dB and dC.)
-    void* db_part;
-    void* dc_part;
+    void* gated;        // (batch, seqlen, heads, kP) T, with z: y before the gate, then dy through the gate
     float* scratch;     // (n_parts, batch * heads, tiles per chunk - 1, kP * dstate): recomputed states
     float* da_part;     // (n_parts, batch, heads)
     float* dbias_part;  // (n_parts, batch, heads)
@@ -36,6 +34,12 @@ struct SsdBwdMmaParams {
     // [n_parts - 1][batch * heads][kP * dstate], then [n_parts - 1][batch * heads].
     float* records;
     int64_t chunks_per_part, n_parts;
+    // Per (batch * heads, chunk), kP x dstate in T, row-major: the state entering the chunk and the
+    // gradient of the state leaving it (the main kernel writes them; bc_sums reads them).
+    void* s_chunk;
+    void* ds_chunk;
+    float2* scal;  // (batch * heads, n_chunks * chunk_size): {cum, dt} from the chunk's start (chunk_scalars)
+    float* msum;   // (batch * n_chunks * groups, tile pairs, kQ, kQ): M summed over the group's heads
 };
 
 template <typename T, int N> struct BwdSmem {
@@ -94,6 +98,28 @@ __device__ __forceinline__ float2 row_dots(const float (&acc)[COLS / 8][4], cons
     return make_float2(quad_sum(lo), quad_sum(hi));
 }
 
+// acc += (rows o (lo, hi)) state over k = p, for the warp's rows 16 warp..: rows a (kQ x kP) tile
+// at shared address `rows` whose two rows per thread are scaled by lo, hi; state a (kP x N) tile.
+template <typename T, int N>
+__device__ __forceinline__ void rows_times_state(float (&acc)[N / 8][4], uint32_t rows, float lo, float hi, uint32_t state) {
+    constexpr int PX = pitch<kP>(), PN = pitch<N>(), E = sizeof(T);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int a_rows = lane & 15, a_cols = (lane >> 4) * 8;
+    const int bt_rows = (lane & 7) + ((lane >> 3) & 1) * 8, bt_cols = (lane >> 4) * 8;
+#pragma unroll
+    for (int kk = 0; kk < kP / 16; ++kk) {
+        uint32_t af[4];
+        ldsm_x4(af, rows + ((16 * warp + a_rows) * PX + 16 * kk + a_cols) * E);
+        scale_a_rows<T>(af, lo, hi);
+#pragma unroll
+        for (int q = 0; q < N / 16; ++q) {
+            uint32_t bb[4];
+            ldsm_x4_trans(bb, state + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
+            mma_pair<T>(acc[2 * q], acc[2 * q + 1], af, bb);
+        }
+    }
+}
+
 template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd_mma(const SsdBwdMmaParams& a) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     BwdSmem<T, N>& sm = *reinterpret_cast<BwdSmem<T, N>*>(smem_raw);
@@ -119,33 +145,8 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
     const uint32_t xs = smem_addr(sm.x), dys = smem_addr(sm.dy), bs = smem_addr(sm.b), cs = smem_addr(sm.c);
     const uint32_t ss = smem_addr(sm.s), dss = smem_addr(sm.ds);
     const int r_lo = 16 * warp + lane / 4, r_hi = r_lo + 8;  // this thread's accumulator rows
-    // acc += (rows o (lo, hi)) state over k = p, rows t or s = 16 warp..: rows a (kQ x kP) tile, its
-    // two rows per thread scaled; state a (kP x N) tile.
     auto add_rows_times_state = [&](float (&acc)[N / 8][4], uint32_t rows, float lo, float hi, uint32_t state) {
-#pragma unroll
-        for (int kk = 0; kk < kP / 16; ++kk) {
-            uint32_t af[4];
-            ldsm_x4(af, rows + ((16 * warp + a_rows) * PX + 16 * kk + a_cols) * E);
-            scale_a_rows<T>(af, lo, hi);
-#pragma unroll
-            for (int q = 0; q < N / 16; ++q) {
-                uint32_t bb[4];
-                ldsm_x4_trans(bb, state + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
-                mma_pair<T>(acc[2 * q], acc[2 * q + 1], af, bb);
-            }
-        }
-    };
-    // A tile's per-head dB or dC (rows r_lo, r_hi of acc) into its partials (batch, seqlen, heads, N).
-    auto store_partial = [&](const float (&acc)[N / 8][4], void* part, int64_t t0) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int64_t t = t0 + (half ? r_hi : r_lo);
-            if (t >= p.seqlen) continue;
-            T* dst = static_cast<T*>(part) + ((b * p.seqlen + t) * p.heads + h) * N + 2 * (lane % 4);
-#pragma unroll
-            for (int q = 0; q < N / 8; ++q)
-                *reinterpret_cast<T2*>(dst + 8 * q) = O::pack2(acc[q][2 * half], acc[q][2 * half + 1]);
-        }
+        rows_times_state<T, N>(acc, rows, lo, hi, state);
     };
 
     // Tile loads: x (and dy) rows of kP, B (and C) rows of N elements; zero past the end.
@@ -323,11 +324,18 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                 for (int n = 0; n < N / 8; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) sds = fmaf(ds[n][e], sv[n][e], sds);
+                // The chunk's S (entering, at its first tile) and dS (leaving, at its last) for bc_sums.
+                T* s_out = static_cast<T*>(a.s_chunk) + (bh * n_chunks + chunk) * state_elems;
+                T* ds_out = static_cast<T*>(a.ds_chunk) + (bh * n_chunks + chunk) * state_elems;
                 for_state_pairs<N>(sv, [&](float* acc, int row, int col) {
-                    *reinterpret_cast<T2*>(&sm.s[row * PN + col]) = O::pack2(acc[0], acc[1]);
+                    const T2 v = O::pack2(acc[0], acc[1]);
+                    *reinterpret_cast<T2*>(&sm.s[row * PN + col]) = v;
+                    if (j == 0) *reinterpret_cast<T2*>(&s_out[row * N + col]) = v;
                 });
                 for_state_pairs<N>(ds, [&](float* acc, int row, int col) {
-                    *reinterpret_cast<T2*>(&sm.ds[row * PN + col]) = O::pack2(acc[0], acc[1]);
+                    const T2 v = O::pack2(acc[0], acc[1]);
+                    *reinterpret_cast<T2*>(&sm.ds[row * PN + col]) = v;
+                    if (j == tiles - 1) *reinterpret_cast<T2*>(&ds_out[row * N + col]) = v;
                 });
             }
 #pragma unroll
@@ -389,8 +397,8 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                         mma_pair<T>(g2[2 * pr], g2[2 * pr + 1], af, bb);
                     }
                 }
-                // Mask and decay: a1 = P1 L dt_s (for dx), a2 = G2 L dt_s (for dB), V = P1 G2 L.
-                uint32_t a1[kQ / 16][4], a2[kQ / 16][4];
+                // Mask and decay: a1 = P1 L dt_s (for dx), V = P1 G2 L.
+                uint32_t a1[kQ / 16][4];
                 float in_lo = 0.f, in_hi = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < kQ / 8; ++nt) {
@@ -403,7 +411,6 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                             const float dts = e < 2 ? dt_lo : dt_hi;
                             const float v = p1[nt][e] * g2[nt][e] * l;
                             p1[nt][e] *= l * dts;
-                            g2[nt][e] *= l * dts;
                             (e < 2 ? in_lo : in_hi) += v;
                             vsum[e & 1] += v * dts;
                         }
@@ -428,7 +435,6 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
 #pragma unroll
                 for (int pr = 0; pr < kQ / 16; ++pr) {
                     to_a_frag<T>(a1[pr], p1[2 * pr], p1[2 * pr + 1]);
-                    to_a_frag<T>(a2[pr], g2[2 * pr], g2[2 * pr + 1]);
                 }
                 // dx += a1 dy (k = t).
 #pragma unroll
@@ -460,23 +466,9 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                         }
                     }
                 }
-                // dB = w_s x_s^T dS + a2 C.
-                float db[N / 8][4] = {};
-                add_rows_times_state(db, xs, w_lo, w_hi, dss);
-#pragma unroll
-                for (int pr = 0; pr < kQ / 16; ++pr) {
-                    if (pr < warp) continue;
-#pragma unroll
-                    for (int q = 0; q < N / 16; ++q) {
-                        uint32_t bb[4];
-                        ldsm_x4_trans(bb, cs + ((16 * pr + bt_rows) * PN + 16 * q + bt_cols) * E);
-                        mma_pair<T>(db[2 * q], db[2 * q + 1], a2[pr], bb);
-                    }
-                }
-                store_partial(db, a.db_part, t0);
             }
 
-            // ---- Rows t = 16 warp.. : dC and the y term of cum_t.
+            // ---- Rows t = 16 warp.. : the y term of cum_t.
             {
                 const float e_lo = sm.sc.ecum[r_lo], e_hi = sm.sc.ecum[r_hi];
                 float dc[N / 8][4] = {};  // first 2^cum_t dy_t S
@@ -486,42 +478,6 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                     sm.y0[r_lo] = cdot.x;
                     sm.y0[r_hi] = cdot.y;
                 }
-                // dy_t . x_s for s-tiles <= 2 warp + 1, masked and decayed: a3 = G2 L dt_s.
-                float g2[kQ / 8][4] = {};
-#pragma unroll
-                for (int kk = 0; kk < kP / 16; ++kk) {
-                    uint32_t af[4];
-                    ldsm_x4(af, dys + ((16 * warp + a_rows) * PX + 16 * kk + a_cols) * E);
-#pragma unroll
-                    for (int pr = 0; pr < kQ / 16; ++pr) {
-                        if (pr > warp) break;
-                        uint32_t bb[4];
-                        ldsm_x4(bb, xs + ((16 * pr + bn_rows) * PX + 16 * kk + bn_cols) * E);
-                        mma_pair<T>(g2[2 * pr], g2[2 * pr + 1], af, bb);
-                    }
-                }
-#pragma unroll
-                for (int pr = 0; pr < kQ / 16; ++pr) {
-                    if (pr > warp) break;
-                    uint32_t a3[4];
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        float* acc = g2[2 * pr + half];
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int s = 16 * pr + 8 * half + 2 * (lane % 4) + (e & 1), trow = e < 2 ? r_lo : r_hi;
-                            acc[e] = s <= trow ? acc[e] * ex2_ftz((e < 2 ? cum_lo : cum_hi) - cum_of(s)) * dt_of(s) : 0.f;
-                        }
-                    }
-                    to_a_frag<T>(a3, g2[2 * pr], g2[2 * pr + 1]);
-#pragma unroll
-                    for (int q = 0; q < N / 16; ++q) {
-                        uint32_t bb[4];
-                        ldsm_x4_trans(bb, bs + ((16 * pr + bt_rows) * PN + 16 * q + bt_cols) * E);
-                        mma_pair<T>(dc[2 * q], dc[2 * q + 1], a3, bb);
-                    }
-                }
-                store_partial(dc, a.dc_part, t0);
             }
 
             update_ds();
@@ -630,55 +586,329 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
     }
 }
 
-// Fixed-order sums of the partials: dB, dC over the heads of a group (grid-stride over (batch, seqlen,
-// groups) x 8-state vectors: 16-byte loads, 4 heads in flight); then dA, ddt_bias, dD over the batch
-// (one thread per (head, p)).
-template <typename T> __device__ __forceinline__ void reduce_bc(const SsdBwdMmaParams& a) {
-    using T2 = typename Ops<T>::T2;
+// dB and dC, summed over a group's heads a chunk at a time (docs/ssd.md). With cum relative to the
+// chunk's start and M[t, s] = sum_h 2^(cum_h,t - cum_h,s) dt_h,s (dy_h,t . x_h,s) for s <= t:
+//   dC[t] = sum_s M[t, s] B_s + sum_h 2^cum_h,t dy_h,t S_h
+//   dB[s] = sum_t M[t, s] C_t + sum_h 2^(cum_h,last - cum_h,s) dt_h,s x_h,s^T dS_h
+// with S_h the state entering the chunk and dS_h the gradient of the state leaving it (both stored
+// by the main kernel). chunk_scalars writes each step's {cum, dt}; head_msum sums M over the heads
+// per 64 x 64 tile (tile pairs I >= J of the chunk); bc_sums then forms a 64-row tile of dC or dB.
+// Every sum runs in a fixed order: bitwise-repeatable.
+
+// One warp per (batch * heads, chunk).
+template <typename T> __device__ __forceinline__ void chunk_scalars(const SsdBwdMmaParams& a) {
     const SsdParams& p = a.q.fwd;
-    constexpr int V = 8;  // states per thread (dstate is 64 or 128)
-    const int64_t vecs = p.dstate / V, total = p.batch * p.seqlen * p.groups * vecs, per_group = p.heads / p.groups;
-    T* dB = static_cast<T*>(a.q.dB);
-    T* dC = static_cast<T*>(a.q.dC);
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-        const int64_t v = i % vecs, g = (i / vecs) % p.groups, bl = i / (vecs * p.groups);
-        const int64_t base = (bl * p.heads + g * per_group) * p.dstate + v * V;
-        float sb[V] = {}, sc[V] = {};
-#pragma unroll 4
-        for (int64_t k = 0; k < per_group; ++k) {
-            const uint4 rb = *reinterpret_cast<const uint4*>(static_cast<const T*>(a.db_part) + base + k * p.dstate);
-            const uint4 rc = *reinterpret_cast<const uint4*>(static_cast<const T*>(a.dc_part) + base + k * p.dstate);
-            const T2* eb = reinterpret_cast<const T2*>(&rb);
-            const T2* ec = reinterpret_cast<const T2*>(&rc);
+    const int lane = threadIdx.x & 31;
+    const int64_t n_chunks = ssd_chunk_count(p);
+    const int64_t item = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
+    if (item >= p.batch * p.heads * n_chunks) return;
+    const int64_t bh = item / n_chunks, chunk = item % n_chunks, b = bh / p.heads, h = bh % p.heads;
+    const float a_log2 = p.A[h] * kLog2e;
+    float2* out = a.scal + item * p.chunk_size;
+    float carry = 0.f;
+    for (int i0 = 0; i0 < p.chunk_size; i0 += kQ) {
+        const int64_t t0 = chunk * p.chunk_size + i0;
+        float raw[2], dt[2];
+        load_dt<T>(p, b, h, t0, raw);
 #pragma unroll
-            for (int e = 0; e < V / 2; ++e) {
-                const float2 fb = Ops<T>::unpack2(eb[e]), fc = Ops<T>::unpack2(ec[e]);
-                sb[2 * e] += fb.x, sb[2 * e + 1] += fb.y;
-                sc[2 * e] += fc.x, sc[2 * e + 1] += fc.y;
+        for (int e = 0; e < 2; ++e) dt[e] = t0 + 2 * lane + e < p.seqlen ? ssd_dt(p, raw[e], h) : 0.f;
+        const float a1 = dt[1] * a_log2;
+        float run = dt[0] * a_log2 + a1;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float other = __shfl_up_sync(0xffffffffu, run, o);
+            if (lane >= o) run += other;
+        }
+        const float c1 = carry + run;
+        reinterpret_cast<float4*>(out + i0)[lane] = make_float4(c1 - a1, dt[0], c1, dt[1]);
+        carry += __shfl_sync(0xffffffffu, run, 31);
+    }
+}
+
+// Tile pair k of a chunk: rows I, columns J <= I, k = I (I + 1) / 2 + J.
+__device__ __forceinline__ int2 tile_pair(int k) {
+    int i = 0;
+    while ((i + 1) * (i + 2) / 2 <= k) ++i;
+    return make_int2(i, k - i * (i + 1) / 2);
+}
+
+#ifndef SSD_BC_STAGES
+#define SSD_BC_STAGES 2
+#endif
+#ifndef SSD_MSUM_SPLIT
+#define SSD_MSUM_SPLIT 2
+#endif
+// head_msum splits a group's heads into this many ranges (about a block per SM at the main shape);
+// bc_sums adds the ranges' sums.
+constexpr int kMsumSplit = SSD_MSUM_SPLIT;
+constexpr int kBcStages = SSD_BC_STAGES;
+#ifndef SSD_BC_MIN_BLOCKS
+#define SSD_BC_MIN_BLOCKS 1
+#endif
+
+// head_msum's shared memory, per pipeline stage: a head's dy and x over the chunk, and {cum, dt}.
+struct MsumStage {
+    int64_t dy, x, sc, tab, bytes;
+    __device__ __host__ explicit MsumStage(int64_t chunk) {
+        dy = 0;
+        x = dy + chunk * pitch<kP>() * 2;  // 2-byte elements
+        sc = x + chunk * pitch<kP>() * 2;
+        tab = sc + chunk * 8;                    // rowf[chunk], then colf[tiles - 1][chunk]
+        bytes = tab + chunk * (chunk / kQ) * 4;
+    }
+};
+constexpr int kMsumWarps = 8;
+// Tasks (16 rows x 64 columns of one tile pair) per warp at chunk_size 256: 10 pairs x 4 / 8 warps.
+constexpr int kMsumTasks = 5;
+
+// Grid (batch * n_chunks * groups) x kMsumSplit, kMsumWarps warps: each block reads its heads' x and
+// dy over the whole chunk once and forms every tile pair; task u of warp w is w + kMsumWarps u: pair
+// task / 4, rows 16 (task % 4).. . Off the diagonal tiles (J < I) the decay splits at the row tile's
+// first step I0 (both factors <= 1): 2^(cum_t - cum_s) dt_s = rowf_t colf_I,s, from a per-head table.
+template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaParams& a) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    constexpr int PX = pitch<kP>(), E = sizeof(T);
+    const SsdParams& p = a.q.fwd;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
+    const int64_t n_chunks = ssd_chunk_count(p), hpg = p.heads / p.groups;
+    const int n_tiles = int(p.chunk_size / kQ), pairs = n_tiles * (n_tiles + 1) / 2, n_tasks = 4 * pairs;
+    const int64_t split = blockIdx.x % kMsumSplit, unit = blockIdx.x / kMsumSplit;
+    const int64_t g = unit % p.groups, chunk = unit / p.groups % n_chunks, b = unit / (p.groups * n_chunks);
+    const int64_t h_begin = g * hpg + split * hpg / kMsumSplit, h_end = g * hpg + (split + 1) * hpg / kMsumSplit;
+    const int64_t c0 = chunk * p.chunk_size;
+    const MsumStage st(p.chunk_size);
+    if (dynamic_smem_bytes() < 2 * st.bytes) __trap();  // a launcher out of step with MsumStage
+    auto stage_ptr = [&](int stage, int64_t off) { return smem_raw + stage * st.bytes + off; };
+    const T* x = static_cast<const T*>(p.x);
+    const T* dy = static_cast<const T*>(a.q.dy);
+    auto load = [&](int64_t i, int stage) {
+        const int64_t h = h_begin + i;
+        T* dys = reinterpret_cast<T*>(stage_ptr(stage, st.dy));
+        T* xs = reinterpret_cast<T*>(stage_ptr(stage, st.x));
+        for (int c = tid; c < p.chunk_size * (kP / 8); c += threads) {
+            const int row = c / (kP / 8), col = c % (kP / 8) * 8;
+            const bool valid = c0 + row < p.seqlen;
+            const int64_t off = valid ? ((b * p.seqlen + c0 + row) * p.heads + h) * kP + col : 0;
+            cp_async16(&dys[row * PX + col], dy + off, valid);
+            cp_async16(&xs[row * PX + col], x + off, valid);
+        }
+        const float2* sc = a.scal + ((b * p.heads + h) * n_chunks + chunk) * p.chunk_size;
+        if (tid < p.chunk_size / 2) cp_async16(stage_ptr(stage, st.sc) + 16 * tid, sc + 2 * tid, true);
+    };
+    const int a_rows = lane & 15, a_cols = (lane >> 4) * 8;
+    const int bn_rows = (lane & 7) + ((lane >> 4) << 3), bn_cols = ((lane >> 3) & 1) * 8;
+    float m[kMsumTasks][kQ / 8][4] = {};
+    cp_async_pipeline<2>(h_end - h_begin, load, [&](int64_t, int stage) {
+        const uint32_t dys = smem_addr(stage_ptr(stage, st.dy)), xs = smem_addr(stage_ptr(stage, st.x));
+        const float2* sc = reinterpret_cast<const float2*>(stage_ptr(stage, st.sc));
+        float* rowf = reinterpret_cast<float*>(stage_ptr(stage, st.tab));
+        float* colf = rowf + p.chunk_size;
+        for (int i = tid; i < p.chunk_size * n_tiles; i += threads) {
+            if (i < p.chunk_size) {
+                rowf[i] = ex2_ftz(sc[i].x - sc[i / kQ * kQ].x);
+            } else {
+                const int j = i - int(p.chunk_size), tile = j / int(p.chunk_size) + 1, s = j % int(p.chunk_size);
+                if (s < kQ * tile) colf[j] = ex2_ftz(sc[kQ * tile].x - sc[s].x) * sc[s].y;
             }
         }
-        const int64_t out = i * V;  // (bl, g, v) row-major = the element offset / V
+        __syncthreads();
 #pragma unroll
-        for (int e = 0; e < V; ++e) {
-            dB[out + e] = from_f32<T>(sb[e]);
-            dC[out + e] = from_f32<T>(sc[e]);
+        for (int u = 0; u < kMsumTasks; ++u) {
+            const int task = warp + kMsumWarps * u;
+            if (task >= n_tasks) break;
+            const int2 ij = tile_pair(task / 4);
+            const int t_row = kQ * ij.x + 16 * (task % 4), s_col = kQ * ij.y;  // the strip's first row, the tile's first column
+            float gacc[kQ / 8][4] = {};  // dy_t . x_s
+#pragma unroll
+            for (int kk = 0; kk < kP / 16; ++kk) {
+                uint32_t af[4];
+                ldsm_x4(af, dys + ((t_row + a_rows) * PX + 16 * kk + a_cols) * E);
+#pragma unroll
+                for (int pr = 0; pr < kQ / 16; ++pr) {
+                    uint32_t bb[4];
+                    ldsm_x4(bb, xs + ((s_col + 16 * pr + bn_rows) * PX + 16 * kk + bn_cols) * E);
+                    mma_pair<T>(gacc[2 * pr], gacc[2 * pr + 1], af, bb);
+                }
+            }
+            const int t_lo = t_row + lane / 4;
+            if (ij.x > ij.y) {
+                const float rf_lo = rowf[t_lo], rf_hi = rowf[t_lo + 8];
+                const float* cf = colf + (ij.x - 1) * p.chunk_size + s_col + 2 * (lane % 4);
+#pragma unroll
+                for (int nt = 0; nt < kQ / 8; ++nt) {
+                    const float2 c = *reinterpret_cast<const float2*>(cf + 8 * nt);
+                    m[u][nt][0] = fmaf(gacc[nt][0] * rf_lo, c.x, m[u][nt][0]);
+                    m[u][nt][1] = fmaf(gacc[nt][1] * rf_lo, c.y, m[u][nt][1]);
+                    m[u][nt][2] = fmaf(gacc[nt][2] * rf_hi, c.x, m[u][nt][2]);
+                    m[u][nt][3] = fmaf(gacc[nt][3] * rf_hi, c.y, m[u][nt][3]);
+                }
+                continue;
+            }
+            const float cum_lo = sc[t_lo].x, cum_hi = sc[t_lo + 8].x;
+#pragma unroll
+            for (int nt = 0; nt < kQ / 8; ++nt) {
+                const int s0 = s_col + 8 * nt + 2 * (lane % 4);
+                const float4 cs = *reinterpret_cast<const float4*>(&sc[s0]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int s = s0 + (e & 1), t = e < 2 ? t_lo : t_lo + 8;
+                    const float cum_s = e & 1 ? cs.z : cs.x, dt_s = e & 1 ? cs.w : cs.y;
+                    const float l = s <= t ? ex2_ftz((e < 2 ? cum_lo : cum_hi) - cum_s) * dt_s : 0.f;
+                    m[u][nt][e] = fmaf(gacc[nt][e], l, m[u][nt][e]);
+                }
+            }
+        }
+    });
+#pragma unroll
+    for (int u = 0; u < kMsumTasks; ++u) {
+        const int task = warp + kMsumWarps * u;
+        if (task >= n_tasks) break;
+        float* out = a.msum + ((unit * kMsumSplit + split) * pairs + task / 4) * kQ * kQ;
+        const int r_lo = 16 * (task % 4) + lane / 4;
+#pragma unroll
+        for (int nt = 0; nt < kQ / 8; ++nt) {
+            const int col = 8 * nt + 2 * (lane % 4);
+            *reinterpret_cast<float2*>(&out[r_lo * kQ + col]) = make_float2(m[u][nt][0], m[u][nt][1]);
+            *reinterpret_cast<float2*>(&out[(r_lo + 8) * kQ + col]) = make_float2(m[u][nt][2], m[u][nt][3]);
         }
     }
 }
 
+// bc_sums' shared memory, per pipeline stage: the chunk's rows (dy or x) of a head, its state tile
+// (S or dS; first B or C tiles), the rows' {cum, dt} and the chunk's last two steps' {cum, dt}.
+template <typename T, int N> struct BcStage {
+    int64_t rows, state, sc, last, bytes;  // byte offsets in a stage, and its size
+    __device__ __host__ explicit BcStage(int64_t chunk) {
+        rows = 0;
+        state = rows + chunk * pitch<kP>() * int64_t(sizeof(T));
+        sc = state + int64_t(kP) * pitch<N>() * int64_t(sizeof(T));
+        last = sc + chunk * 8;
+        bytes = last + 16;
+    }
+};
+
+// Grid (batch * n_chunks * groups, 2), 2 * chunk_size threads: y = 0 forms dC for the chunk's rows t,
+// y = 1 dB for its rows s. Warp w owns rows 16w.. (of tile w / 4). A block covers the whole chunk
+// so that each head's S or dS tile is read once.
+template <typename T, int N> __device__ __forceinline__ void bc_sums(const SsdBwdMmaParams& a) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    using O = Ops<T>;
+    using T2 = typename O::T2;
+    constexpr int PX = pitch<kP>(), PN = pitch<N>(), E = sizeof(T);
+    const SsdParams& p = a.q.fwd;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
+    const int64_t n_chunks = ssd_chunk_count(p), hpg = p.heads / p.groups, state_elems = int64_t(kP) * N;
+    const int n_tiles = int(p.chunk_size / kQ), pairs = n_tiles * (n_tiles + 1) / 2;
+    const int64_t unit = blockIdx.x, g = unit % p.groups, chunk = unit / p.groups % n_chunks, b = unit / (p.groups * n_chunks);
+    const bool is_db = blockIdx.y;
+    const int64_t c0 = chunk * p.chunk_size;
+    const int wt = warp / 4, r_lo = 16 * (warp % 4) + lane / 4, r_hi = r_lo + 8;  // rows within tile wt
+    const int bt_rows = (lane & 7) + ((lane >> 3) & 1) * 8, bt_cols = (lane >> 4) * 8;
+    const BcStage<T, N> st(p.chunk_size);
+    if (dynamic_smem_bytes() < kBcStages * st.bytes) __trap();  // a launcher out of step with BcStage
+    auto stage_ptr = [&](int stage, int64_t off) { return smem_raw + stage * st.bytes + off; };
+    // A (64 x N) tile from rows t.. of `src` (batch, seqlen, groups, N) into a stage's state slot.
+    auto copy_bc_tile = [&](const T* src, int64_t t, int stage) {
+        T* dst = reinterpret_cast<T*>(stage_ptr(stage, st.state));
+        for (int c = tid; c < kQ * (N / 8); c += threads) {
+            const int row = c / (N / 8), col = c % (N / 8) * 8;
+            const bool valid = t + row < p.seqlen;
+            cp_async16(&dst[row * PN + col], src + (valid ? ((b * p.seqlen + t + row) * p.groups + g) * N + col : 0), valid);
+        }
+    };
+    float acc[N / 8][4] = {};
+    // M (or M^T) times B (or C), partner tile k: J = k <= wt (dC) or I = k >= wt (dB).
+    const T* bc_src = static_cast<const T*>(is_db ? p.C : p.B);
+    cp_async_pipeline<kBcStages>(n_tiles, [&](int64_t k, int stage) { copy_bc_tile(bc_src, c0 + kQ * k, stage); },
+                                 [&](int64_t kk, int stage) {
+        const int k = int(kk);
+        if (is_db ? k < wt : k > wt) return;
+        const int pair = is_db ? k * (k + 1) / 2 + wt : wt * (wt + 1) / 2 + k;
+        const float* mt = a.msum + (unit * kMsumSplit * pairs + pair) * kQ * kQ;
+        const int64_t split_stride = int64_t(pairs) * kQ * kQ;
+        auto m_at = [&](int t, int s) {  // M[t, s], the head ranges summed
+            float v = 0.f;
+#pragma unroll
+            for (int r = 0; r < kMsumSplit; ++r) v += mt[r * split_stride + t * kQ + s];
+            return v;
+        };
+        const uint32_t bcs = smem_addr(stage_ptr(stage, st.state));
+#pragma unroll
+        for (int pr = 0; pr < kQ / 16; ++pr) {
+            const int c = 16 * pr + 2 * (lane % 4);
+            uint32_t af[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int row = r & 1 ? r_hi : r_lo, col = c + (r >> 1) * 8;
+                af[r] = is_db ? pack_u32<T>(m_at(col, row), m_at(col + 1, row))  // A[s, t] = M[t, s]
+                              : pack_u32<T>(m_at(row, col), m_at(row, col + 1));
+            }
+#pragma unroll
+            for (int q = 0; q < N / 16; ++q) {
+                uint32_t bb[4];
+                ldsm_x4_trans(bb, bcs + ((16 * pr + bt_rows) * PN + 16 * q + bt_cols) * E);
+                mma_pair<T>(acc[2 * q], acc[2 * q + 1], af, bb);
+            }
+        }
+    });
+    // Plus the state terms, head by head.
+    const T* rows_src = static_cast<const T*>(is_db ? p.x : a.q.dy);
+    const T* state_src = static_cast<const T*>(is_db ? a.ds_chunk : a.s_chunk);
+    auto load_head = [&](int64_t hi, int stage) {
+        const int64_t h = g * hpg + hi, bhc = (b * p.heads + h) * n_chunks + chunk;
+        T* rows = reinterpret_cast<T*>(stage_ptr(stage, st.rows));
+        T* state = reinterpret_cast<T*>(stage_ptr(stage, st.state));
+        for (int c = tid; c < p.chunk_size * (kP / 8); c += threads) {
+            const int row = c / (kP / 8), col = c % (kP / 8) * 8;
+            const bool valid = c0 + row < p.seqlen;
+            cp_async16(&rows[row * PX + col], rows_src + (valid ? ((b * p.seqlen + c0 + row) * p.heads + h) * kP + col : 0), valid);
+        }
+        const T* ssrc = state_src + bhc * state_elems;
+        for (int c = tid; c < kP * (N / 8); c += threads) {
+            const int row = c / (N / 8), col = c % (N / 8) * 8;
+            cp_async16(&state[row * PN + col], ssrc + row * N + col, true);
+        }
+        const float2* sc = a.scal + bhc * p.chunk_size;
+        if (tid < p.chunk_size / 2) cp_async16(stage_ptr(stage, st.sc) + 16 * tid, sc + 2 * tid, true);
+        if (tid == threads - 1) cp_async16(stage_ptr(stage, st.last), sc + p.chunk_size - 2, true);
+    };
+    cp_async_pipeline<kBcStages>(hpg, load_head, [&](int64_t, int stage) {
+        const float2* sc = reinterpret_cast<const float2*>(stage_ptr(stage, st.sc));
+        const float2 lo = sc[16 * warp + lane / 4], hi = sc[16 * warp + lane / 4 + 8];
+        float f_lo, f_hi;
+        if (is_db) {  // 2^(cum_last - cum_s) dt_s
+            const float cum_last = reinterpret_cast<const float4*>(stage_ptr(stage, st.last))->z;
+            f_lo = ex2_ftz(cum_last - lo.x) * lo.y;
+            f_hi = ex2_ftz(cum_last - hi.x) * hi.y;
+        } else {  // 2^cum_t
+            f_lo = ex2_ftz(lo.x);
+            f_hi = ex2_ftz(hi.x);
+        }
+        rows_times_state<T, N>(acc, smem_addr(stage_ptr(stage, st.rows)), f_lo, f_hi, smem_addr(stage_ptr(stage, st.state)));
+    });
+    T* out = static_cast<T*>(is_db ? a.q.dB : a.q.dC);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int64_t t = c0 + 16 * warp + lane / 4 + 8 * half;
+        if (t >= p.seqlen) continue;
+        T* dst = out + ((b * p.seqlen + t) * p.groups + g) * N + 2 * (lane % 4);
+#pragma unroll
+        for (int q = 0; q < N / 8; ++q) *reinterpret_cast<T2*>(dst + 8 * q) = O::pack2(acc[q][2 * half], acc[q][2 * half + 1]);
+    }
+}
+
 // With z: y = y_pre silu(z). Before the ungated backward runs with dy silu(z) as its dy: dz =
-// dy y_pre silu'(z), y_pre recomputed by the forward kernel into db_part (the backward kernel
-// overwrites it later), dy silu(z) into dx (the backward kernel reads each tile's dy before it
-// writes that tile's dx). Two elements per thread, grid-stride.
+// dy y_pre silu'(z), y_pre recomputed by the forward kernel into `gated`, dy silu(z) over it (each
+// element read before it is written). Two elements per thread, grid-stride.
 template <typename T> __device__ __forceinline__ void gate_grad(const SsdBwdMmaParams& a) {
     using T2 = typename Ops<T>::T2;
     const SsdParams& p = a.q.fwd;
     const int64_t pairs = p.batch * p.seqlen * p.heads * kP / 2;
     const T2* z = static_cast<const T2*>(p.z);
     const T2* dy = static_cast<const T2*>(a.q.dy);
-    const T2* y_pre = static_cast<const T2*>(a.db_part);
+    const T2* y_pre = static_cast<const T2*>(a.gated);
     T2* dz = static_cast<T2*>(a.q.dz);
-    T2* dy_gated = static_cast<T2*>(a.q.dx);
+    T2* dy_gated = static_cast<T2*>(a.gated);
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
         const float2 zv = Ops<T>::unpack2(z[i]), g = Ops<T>::unpack2(dy[i]), y = Ops<T>::unpack2(y_pre[i]);
         const float s0 = 1.f / (1.f + expf(-zv.x)), s1 = 1.f / (1.f + expf(-zv.y));
@@ -718,8 +948,11 @@ __device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
 }  // namespace ssd_mma
 
 // extern "C" entry points: ssd_bwd_mma[_local]_<T>_n<N> (grid (batch * heads, n_parts [- 1]),
-// kThreads threads, sizeof(BwdSmem<T, N>) bytes of dynamic shared memory), ssd_bwd_reduce_bc_<T>
-// (grid-stride over (batch, seqlen, groups, dstate / 8)), ssd_bwd_reduce_params (a thread per (head, p)),
+// kThreads threads, sizeof(BwdSmem<T, N>) bytes of dynamic shared memory); after it
+// ssd_bwd_chunk_scalars_<T> (a warp per (batch, head, chunk)), ssd_bwd_head_msum_<T> (grid
+// batch * n_chunks * groups * kMsumSplit, 32 kMsumWarps threads, 2 MsumStage(chunk_size).bytes),
+// ssd_bwd_bc_sums_<T>_n<N> (grid (batch * n_chunks * groups, 2), 2 chunk_size threads,
+// kBcStages BcStage(chunk_size).bytes), ssd_bwd_reduce_params (a thread per (head, p));
 // ssd_bwd_gate_grad_<T> (grid-stride over element pairs; before the main kernel, with z).
 #define SSD_BWD_MMA(T, N)                                                                          \
     extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                             \
@@ -735,8 +968,20 @@ SSD_BWD_MMA(bf16, 128)
 SSD_BWD_MMA(f16, 64)
 SSD_BWD_MMA(f16, 128)
 #define SSD_BWD_REDUCE(T)                                                                           \
-    extern "C" __global__ void ssd_bwd_reduce_bc_##T(const ssd_mma::SsdBwdMmaParams a) {           \
-        ssd_mma::reduce_bc<T>(a);                                                          \
+    extern "C" __global__ void ssd_bwd_chunk_scalars_##T(const ssd_mma::SsdBwdMmaParams a) {       \
+        ssd_mma::chunk_scalars<T>(a);                                                               \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(32 * ssd_mma::kMsumWarps, 1)                      \
+        ssd_bwd_head_msum_##T(const ssd_mma::SsdBwdMmaParams a) {                                   \
+        ssd_mma::head_msum<T>(a);                                                                   \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(512, SSD_BC_MIN_BLOCKS)            \
+        ssd_bwd_bc_sums_##T##_n64(const ssd_mma::SsdBwdMmaParams a) {                               \
+        ssd_mma::bc_sums<T, 64>(a);                                                                 \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(512, SSD_BC_MIN_BLOCKS)              \
+        ssd_bwd_bc_sums_##T##_n128(const ssd_mma::SsdBwdMmaParams a) {                              \
+        ssd_mma::bc_sums<T, 128>(a);                                                                \
     }                                                                                               \
     extern "C" __global__ void ssd_bwd_gate_grad_##T(const ssd_mma::SsdBwdMmaParams a) {           \
         ssd_mma::gate_grad<T>(a);                                                          \

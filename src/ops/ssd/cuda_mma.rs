@@ -32,8 +32,7 @@ struct FwdMmaParams {
 #[repr(C)]
 struct BwdMmaParams {
     q: SsdBwdParams,
-    db_part: *mut c_void,
-    dc_part: *mut c_void,
+    gated: *mut c_void,
     scratch: *mut f32,
     da_part: *mut f32,
     dbias_part: *mut f32,
@@ -41,6 +40,10 @@ struct BwdMmaParams {
     records: *mut f32,
     chunks_per_part: i64,
     n_parts: i64,
+    s_chunk: *mut c_void,
+    ds_chunk: *mut c_void,
+    scal: *mut c_void,
+    msum: *mut f32,
 }
 
 /// `sizeof(SyncSmem<T, N>)` (static_assert in kernels/ssd_fwd_sync.cuh): double-buffered x (64 x 72),
@@ -54,6 +57,19 @@ fn fwd_shared_bytes(dstate: i64) -> u32 {
 /// tiles, and per-step scalars and partial sums.
 fn bwd_shared_bytes(dstate: i64) -> u32 {
     (21264 + 512 * (dstate + 8)) as u32
+}
+
+/// head_msum's threads, and its shared memory: two stages of a head's dy and x over the chunk (rows
+/// of 72 2-byte elements), the chunk's {cum, dt} and decay table (`MsumStage`, kernels/ssd_bwd.cu).
+const MSUM_THREADS: u32 = 256;
+fn msum_shared_bytes(chunk: i64) -> u32 {
+    (2 * (2 * chunk * 72 * 2 + chunk * 8 + chunk * (chunk / MMA_TILE) * 4)) as u32
+}
+
+/// bc_sums' shared memory: two stages of a head's dy or x over the chunk, a 64 x (dstate + 8) state
+/// tile, the chunk's {cum, dt} and its last two steps' (`BcStage`, kernels/ssd_bwd.cu).
+fn bc_shared_bytes(chunk: i64, dstate: i64) -> u32 {
+    (2 * (chunk * 72 * 2 + 64 * (dstate + 8) * 2 + chunk * 8 + 16)) as u32
 }
 
 /// Whether the pointers suit the kernels: x, B, C (and dy) as 16-byte vectors (cp.async), states as
@@ -127,8 +143,7 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
     let at = |offset: i64| workspace.wrapping_add(offset as usize);
     let mut args = BwdMmaParams {
         q: bwd.params,
-        db_part: at(layout.db_part) as *mut c_void,
-        dc_part: at(layout.dc_part) as *mut c_void,
+        gated: at(layout.gated) as *mut c_void,
         scratch: at(layout.scratch) as *mut f32,
         da_part: at(layout.da_part) as *mut f32,
         dbias_part: at(layout.dbias_part) as *mut f32,
@@ -136,15 +151,19 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
         records: at(layout.records) as *mut f32,
         chunks_per_part: layout.chunks_per_part,
         n_parts: layout.n_parts,
+        s_chunk: at(layout.s_chunk) as *mut c_void,
+        ds_chunk: at(layout.ds_chunk) as *mut c_void,
+        scal: at(layout.scal) as *mut c_void,
+        msum: at(layout.msum) as *mut f32,
     };
     let q = &bwd.params;
     let p = &q.fwd;
     if bwd.present.z {
-        // y before the gate, into db_part (as large: dstate >= headdim; free until the main kernel),
-        // by the forward kernel, its split's records in dc_part (split less where they do not fit)...
+        // y before the gate, into `gated`, by the forward kernel, its split's records where the chunk
+        // states go later (split less where they do not fit)...
         let y_pre = SsdParams {
             z: std::ptr::null(),
-            y: args.db_part,
+            y: args.gated,
             final_states: std::ptr::null_mut(),
             chunk_states: std::ptr::null_mut(),
             workspace: std::ptr::null_mut(),
@@ -153,12 +172,12 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
         };
         let present = Present { z: false, ..bwd.present };
         let ssd = Ssd { params: y_pre, dtype: bwd.dtype, present, save_chunk_states: false };
-        fwd(&ssd, shape, args.dc_part as *mut u8, layout.part_bytes, stream)?;
-        // ...then dz, and the gradient of y before the gate into dx, which the ungated kernels take as dy.
+        fwd(&ssd, shape, args.s_chunk as *mut u8, 2 * layout.chunk_state_bytes, stream)?;
+        // ...then dz, and the gradient of y before the gate over it, which the ungated kernels take as dy.
         let pairs = p.batch * p.seqlen * p.heads * p.headdim / 2;
         let config = flat(pairs, REDUCE_MAX_BLOCKS);
         launch(stream, BWD_MODULE, &format!("ssd_bwd_gate_grad_{}", bwd.dtype.name()), config, &args)?;
-        args.q = SsdBwdParams { dy: q.dx, fwd: SsdParams { z: std::ptr::null(), ..*p }, ..*q };
+        args.q = SsdBwdParams { dy: args.gated, fwd: SsdParams { z: std::ptr::null(), ..*p }, ..*q };
     }
     let types = format!("{}_n{}", bwd.dtype.name(), p.dstate);
     let smem = bwd_shared_bytes(p.dstate);
@@ -167,9 +186,26 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
         launch(stream, BWD_MODULE, &format!("ssd_bwd_mma_local_{types}"), config, &args)?;
     }
     launch(stream, BWD_MODULE, &format!("ssd_bwd_mma_{types}"), blocks(p, layout.n_parts, smem), &args)?;
-    // dB, dC: a thread per 8 states of (batch, seqlen, group); dA, dD, ddt_bias: a thread per (head, p).
-    let reduce_bc = flat(p.batch * p.seqlen * p.groups * p.dstate / 8, REDUCE_MAX_BLOCKS);
-    launch(stream, BWD_MODULE, &format!("ssd_bwd_reduce_bc_{}", bwd.dtype.name()), reduce_bc, &args)?;
+    // dB, dC: each step's {cum, dt} (a warp per (batch, head, chunk)), M summed over head ranges (a
+    // block per (batch, chunk, group) and range), then a block per (batch, chunk, group) for each.
+    let n_chunks = (p.seqlen + p.chunk_size - 1) / p.chunk_size;
+    let units = (p.batch * n_chunks * p.groups) as u64;
+    let name = bwd.dtype.name();
+    let scalars = flat(p.batch * p.heads * n_chunks * 32, u64::MAX);
+    launch(stream, BWD_MODULE, &format!("ssd_bwd_chunk_scalars_{name}"), scalars, &args)?;
+    let msum = LaunchConfig {
+        grid: (units * plan::MSUM_SPLIT as u64, 1, 1),
+        block: MSUM_THREADS,
+        shared_bytes: msum_shared_bytes(p.chunk_size),
+    };
+    launch(stream, BWD_MODULE, &format!("ssd_bwd_head_msum_{name}"), msum, &args)?;
+    let bc = LaunchConfig {
+        grid: (units, 2, 1),
+        block: (2 * p.chunk_size) as u32,
+        shared_bytes: bc_shared_bytes(p.chunk_size, p.dstate),
+    };
+    launch(stream, BWD_MODULE, &format!("ssd_bwd_bc_sums_{types}"), bc, &args)?;
+    // dA, dD, ddt_bias: a thread per (head, p).
     let reduce_params = flat(p.heads * p.headdim, u64::MAX);
     launch(stream, BWD_MODULE, "ssd_bwd_reduce_params", reduce_params, &args)
 }

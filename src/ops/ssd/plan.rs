@@ -151,8 +151,18 @@ const MMA_WAVE_BLOCKS: i64 = 264;
 /// Whether the tensor-core forward takes a call of this shape: 2-byte elements (bf16, f16),
 /// headdim 64, dstate 64 or 128, chunks of whole tiles (its chunk states are written per tile).
 pub fn mma_applies(s: &Shape) -> bool {
-    s.elem_bytes == 2 && s.headdim == 64 && (s.dstate == 64 || s.dstate == 128) && s.chunk_size % MMA_TILE == 0
+    s.elem_bytes == 2
+        && s.headdim == 64
+        && (s.dstate == 64 || s.dstate == 128)
+        && s.chunk_size % MMA_TILE == 0
+        && s.chunk_size <= MMA_MAX_CHUNK
 }
+
+/// The largest chunk the backward's head sums take (kernels/ssd_bwd.cu: `kMsumTasks`, and its
+/// 2 * chunk_size-thread blocks).
+const MMA_MAX_CHUNK: i64 = 256;
+/// `ssd_mma::kMsumSplit`: head_msum sums a group's heads in this many ranges.
+pub const MSUM_SPLIT: i64 = 2;
 
 /// Parts of the tensor-core forward's sequence split: as many as one wave of blocks holds (a second,
 /// partial wave would cost a whole one), at most one per tile.
@@ -184,11 +194,18 @@ pub struct MmaBwdLayout {
     /// Parts of whole chunks (one wave of blocks), `chunks_per_part` chunks each.
     pub n_parts: i64,
     pub chunks_per_part: i64,
-    /// (batch, seqlen, heads, dstate) each, in the inputs' (2-byte) type: per-head dB and dC.
-    pub db_part: i64,
-    pub dc_part: i64,
-    /// Bytes of each of them.
-    pub part_bytes: i64,
+    /// (batch, seqlen, heads, headdim) in the inputs' (2-byte) type: with z, y before the gate, then
+    /// the gradient of y before the gate.
+    pub gated: i64,
+    /// (batch * heads, n_chunks, headdim, dstate) each, 2-byte type: the state entering each chunk
+    /// and the gradient of the state leaving it; adjacent, `chunk_state_bytes` each.
+    pub s_chunk: i64,
+    pub ds_chunk: i64,
+    pub chunk_state_bytes: i64,
+    /// (batch * heads, n_chunks * chunk_size) f32 pairs: each step's {cum, dt} from its chunk's start.
+    pub scal: i64,
+    /// (batch * n_chunks * groups, MSUM_SPLIT, tile pairs, 64, 64) f32: M summed over head ranges.
+    pub msum: i64,
     /// (n_parts, batch * heads, tiles per chunk - 1, headdim * dstate) f32: recomputed tile states.
     pub scratch: i64,
     /// (n_parts, batch, heads) f32 each, and (n_parts, batch, heads, headdim) f32.
@@ -208,9 +225,14 @@ pub fn mma_bwd_layout(s: &Shape) -> MmaBwdLayout {
     let n_parts = ((n_chunks + chunks_per_part - 1) / chunks_per_part).max(1);
     let state = s.headdim * s.dstate;
     let mut c = Carver::default();
-    let part_bytes = s.batch * s.seqlen * s.heads * s.dstate * 2;
-    let db_part = c.take(part_bytes);
-    let dc_part = c.take(part_bytes);
+    let gated = c.take(s.batch * s.seqlen * s.heads * s.headdim * 2);
+    let chunk_state_bytes = bh * n_chunks * state * 2;
+    // (chunk_state_bytes is a multiple of ALIGN: state = 64 x dstate elements.)
+    let s_chunk = c.take(chunk_state_bytes);
+    let ds_chunk = c.take(chunk_state_bytes);
+    let scal = c.take(bh * n_chunks * s.chunk_size * 8);
+    let tiles = s.chunk_size / MMA_TILE;
+    let msum = c.take(s.batch * n_chunks * s.groups * MSUM_SPLIT * tiles * (tiles + 1) / 2 * MMA_TILE * MMA_TILE * 4);
     let scratch = c.take(n_parts * bh * (s.chunk_size / MMA_TILE - 1) * state * 4);
     let da_part = c.take(n_parts * bh * 4);
     let dbias_part = c.take(n_parts * bh * 4);
@@ -219,9 +241,12 @@ pub fn mma_bwd_layout(s: &Shape) -> MmaBwdLayout {
     MmaBwdLayout {
         n_parts,
         chunks_per_part,
-        db_part,
-        dc_part,
-        part_bytes,
+        gated,
+        s_chunk,
+        ds_chunk,
+        chunk_state_bytes,
+        scal,
+        msum,
         scratch,
         da_part,
         dbias_part,
