@@ -291,4 +291,44 @@ mod tests {
         assert!(fwd_workspace_bytes(&Shape { batch: 0, ..s }) > 0);
         assert_eq!(fwd_workspace_bytes(&Shape { heads: 0, ..s }), 0);
     }
+
+    #[test]
+    fn mma_bwd_arrays_are_aligned_and_disjoint() {
+        let s = Shape {
+            batch: 2,
+            seqlen: 333,
+            heads: 6,
+            headdim: 64,
+            dstate: 128,
+            groups: 3,
+            chunk_size: 256,
+            elem_bytes: 2,
+        };
+        assert!(mma_applies(&s));
+        assert!(!mma_applies(&Shape { chunk_size: 512, ..s }), "head_msum takes chunks up to 256");
+        let l = mma_bwd_layout(&s);
+        let (bh, n_chunks, state) = (12, 2, 64 * 128);
+        assert_eq!(l.chunk_state_bytes, bh * n_chunks * state * 2);
+        // With z, the forward's split records span both chunk-state arrays.
+        assert_eq!(l.ds_chunk, l.s_chunk + l.chunk_state_bytes);
+        let spans = [
+            (l.gated, 2 * 333 * 6 * 64 * 2),
+            (l.s_chunk, l.chunk_state_bytes),
+            (l.ds_chunk, l.chunk_state_bytes),
+            (l.scal, bh * n_chunks * 256 * 8),
+            (l.msum, 2 * n_chunks * 3 * MSUM_SPLIT * 10 * 64 * 64 * 4),
+            (l.scratch, l.n_parts * bh * 3 * state * 4),
+            (l.da_part, l.n_parts * bh * 4),
+            (l.dbias_part, l.n_parts * bh * 4),
+            (l.dd_part, l.n_parts * bh * 64 * 4),
+            (l.records, (l.n_parts - 1) * bh * (state + 1) * 4),
+        ];
+        for (i, &(at, len)) in spans.iter().enumerate() {
+            assert_eq!(at % ALIGN, 0);
+            assert!(at + len + ALIGN <= l.bytes, "array {i} ends past the workspace");
+            for &(other, other_len) in &spans[i + 1..] {
+                assert!(len == 0 || other_len == 0 || at + len <= other || other + other_len <= at, "arrays overlap");
+            }
+        }
+    }
 }
