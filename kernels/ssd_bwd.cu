@@ -39,7 +39,7 @@ struct SsdBwdMmaParams {
     void* s_chunk;
     void* ds_chunk;
     float2* scal;  // (batch * heads, n_chunks * chunk_size): {cum, dt} from the chunk's start (chunk_scalars)
-    float* msum;   // (batch * n_chunks * groups, tile pairs, kQ, kQ): M summed over the group's heads
+    float* msum;   // (batch * n_chunks * groups, kMsumSplit, tile pairs, kQ, kQ): M over head ranges
 };
 
 template <typename T, int N> struct BwdSmem {
@@ -145,10 +145,6 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
     const uint32_t xs = smem_addr(sm.x), dys = smem_addr(sm.dy), bs = smem_addr(sm.b), cs = smem_addr(sm.c);
     const uint32_t ss = smem_addr(sm.s), dss = smem_addr(sm.ds);
     const int r_lo = 16 * warp + lane / 4, r_hi = r_lo + 8;  // this thread's accumulator rows
-    auto add_rows_times_state = [&](float (&acc)[N / 8][4], uint32_t rows, float lo, float hi, uint32_t state) {
-        rows_times_state<T, N>(acc, rows, lo, hi, state);
-    };
-
     // Tile loads: x (and dy) rows of kP, B (and C) rows of N elements; zero past the end.
     const TileCopy<kP> xcopy;
     const TileCopy<N> bccopy;
@@ -472,7 +468,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
             {
                 const float e_lo = sm.sc.ecum[r_lo], e_hi = sm.sc.ecum[r_hi];
                 float dc[N / 8][4] = {};  // first 2^cum_t dy_t S
-                add_rows_times_state(dc, dys, e_lo, e_hi, ss);
+                rows_times_state<T, N>(dc, dys, e_lo, e_hi, ss);
                 const float2 cdot = row_dots<T, N, PN>(dc, sm.c, r_lo, r_hi);
                 if (lane % 4 == 0) {
                     sm.y0[r_lo] = cdot.x;
@@ -591,8 +587,8 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
 //   dC[t] = sum_s M[t, s] B_s + sum_h 2^cum_h,t dy_h,t S_h
 //   dB[s] = sum_t M[t, s] C_t + sum_h 2^(cum_h,last - cum_h,s) dt_h,s x_h,s^T dS_h
 // with S_h the state entering the chunk and dS_h the gradient of the state leaving it (both stored
-// by the main kernel). chunk_scalars writes each step's {cum, dt}; head_msum sums M over the heads
-// per 64 x 64 tile (tile pairs I >= J of the chunk); bc_sums then forms a 64-row tile of dC or dB.
+// by the main kernel). chunk_scalars writes each step's {cum, dt}; head_msum sums M over a range of
+// the heads, every 64 x 64 tile pair I >= J of the chunk; bc_sums then forms the chunk's dC or dB.
 // Every sum runs in a fixed order: bitwise-repeatable.
 
 // One warp per (batch * heads, chunk).
@@ -632,6 +628,8 @@ __device__ __forceinline__ int2 tile_pair(int k) {
     return make_int2(i, k - i * (i + 1) / 2);
 }
 
+// Knobs for the standalone harness (bench/ssd_bwd_check.cu); the library's launcher mirrors the
+// defaults (plan::MSUM_SPLIT, cuda_mma.rs's shared memory sizes; the kernels trap on a mismatch).
 #ifndef SSD_BC_STAGES
 #define SSD_BC_STAGES 2
 #endif
@@ -642,9 +640,6 @@ __device__ __forceinline__ int2 tile_pair(int k) {
 // bc_sums adds the ranges' sums.
 constexpr int kMsumSplit = SSD_MSUM_SPLIT;
 constexpr int kBcStages = SSD_BC_STAGES;
-#ifndef SSD_BC_MIN_BLOCKS
-#define SSD_BC_MIN_BLOCKS 1
-#endif
 
 // head_msum's shared memory, per pipeline stage: a head's dy and x over the chunk, and {cum, dt}.
 struct MsumStage {
@@ -967,25 +962,27 @@ SSD_BWD_MMA(bf16, 64)
 SSD_BWD_MMA(bf16, 128)
 SSD_BWD_MMA(f16, 64)
 SSD_BWD_MMA(f16, 128)
-#define SSD_BWD_REDUCE(T)                                                                           \
-    extern "C" __global__ void ssd_bwd_chunk_scalars_##T(const ssd_mma::SsdBwdMmaParams a) {       \
-        ssd_mma::chunk_scalars<T>(a);                                                               \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(32 * ssd_mma::kMsumWarps, 1)                      \
-        ssd_bwd_head_msum_##T(const ssd_mma::SsdBwdMmaParams a) {                                   \
-        ssd_mma::head_msum<T>(a);                                                                   \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(512, SSD_BC_MIN_BLOCKS)            \
-        ssd_bwd_bc_sums_##T##_n64(const ssd_mma::SsdBwdMmaParams a) {                               \
-        ssd_mma::bc_sums<T, 64>(a);                                                                 \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(512, SSD_BC_MIN_BLOCKS)              \
-        ssd_bwd_bc_sums_##T##_n128(const ssd_mma::SsdBwdMmaParams a) {                              \
-        ssd_mma::bc_sums<T, 128>(a);                                                                \
-    }                                                                                               \
-    extern "C" __global__ void ssd_bwd_gate_grad_##T(const ssd_mma::SsdBwdMmaParams a) {           \
-        ssd_mma::gate_grad<T>(a);                                                          \
+// 2 chunk_size threads, chunk_size <= 256.
+#define SSD_BWD_BC_SUMS(T, N)                                                                      \
+    extern "C" __global__ void __launch_bounds__(512, 1)                                           \
+        ssd_bwd_bc_sums_##T##_n##N(const ssd_mma::SsdBwdMmaParams a) {                             \
+        ssd_mma::bc_sums<T, N>(a);                                                                 \
     }
-SSD_BWD_REDUCE(bf16)
-SSD_BWD_REDUCE(f16)
+SSD_BWD_BC_SUMS(bf16, 64)
+SSD_BWD_BC_SUMS(bf16, 128)
+SSD_BWD_BC_SUMS(f16, 64)
+SSD_BWD_BC_SUMS(f16, 128)
+#define SSD_BWD_PER_TYPE(T)                                                                        \
+    extern "C" __global__ void ssd_bwd_chunk_scalars_##T(const ssd_mma::SsdBwdMmaParams a) {       \
+        ssd_mma::chunk_scalars<T>(a);                                                              \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * ssd_mma::kMsumWarps, 1)                      \
+        ssd_bwd_head_msum_##T(const ssd_mma::SsdBwdMmaParams a) {                                  \
+        ssd_mma::head_msum<T>(a);                                                                  \
+    }                                                                                              \
+    extern "C" __global__ void ssd_bwd_gate_grad_##T(const ssd_mma::SsdBwdMmaParams a) {           \
+        ssd_mma::gate_grad<T>(a);                                                                  \
+    }
+SSD_BWD_PER_TYPE(bf16)
+SSD_BWD_PER_TYPE(f16)
 extern "C" __global__ void ssd_bwd_reduce_params(const ssd_mma::SsdBwdMmaParams a) { ssd_mma::reduce_params(a); }
