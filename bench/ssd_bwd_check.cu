@@ -213,7 +213,9 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&a.s_chunk, B * H * NC * P * N * 2 + 16));
     CK(cudaMalloc(&a.ds_chunk, B * H * NC * P * N * 2 + 16));
     CK(cudaMalloc(&a.scal, B * H * NC * chunk * 8 + 16));
-    CK(cudaMalloc(&a.msum, B * NC * G * ssd_mma::kMsumSplit * pairs * 64 * 64 * 4 + 16));
+    // head_msum's head ranges per group (plan.rs: at most 2, at most the group's heads; SSD_MSUM_SPLIT overrides).
+    a.msum_split = getenv("SSD_MSUM_SPLIT") ? atoll(getenv("SSD_MSUM_SPLIT")) : std::min<int64_t>(2, H / G);
+    CK(cudaMalloc(&a.msum, B * NC * G * a.msum_split * pairs * 64 * 64 * 4 + 16));
 
     // stages: 1 the main kernels, 2 the head sums and the reductions after them.
     auto launch = [&](int stages = 3) {
@@ -233,7 +235,7 @@ int main(int argc, char** argv) {
             auto msum = g_bf16 ? ssd_bwd_head_msum_bf16 : ssd_bwd_head_msum_f16;
             const int msum_smem = int(2 * ssd_mma::MsumStage(chunk).bytes);
             CK(cudaFuncSetAttribute(msum, cudaFuncAttributeMaxDynamicSharedMemorySize, msum_smem));
-            msum<<<unsigned(units * ssd_mma::kMsumSplit), 32 * ssd_mma::kMsumWarps, msum_smem>>>(a);
+            msum<<<unsigned(units * a.msum_split), 32 * ssd_mma::kMsumWarps, msum_smem>>>(a);
             const int bc_smem = int(ssd_mma::kBcStages * (N == 64 ? ssd_mma::BcStage<bf16, 64>(chunk).bytes : ssd_mma::BcStage<bf16, 128>(chunk).bytes));
             auto bc = g_bf16 ? (N == 64 ? ssd_bwd_bc_sums_bf16_n64 : ssd_bwd_bc_sums_bf16_n128)
                              : (N == 64 ? ssd_bwd_bc_sums_f16_n64 : ssd_bwd_bc_sums_f16_n128);

@@ -39,7 +39,8 @@ struct SsdBwdMmaParams {
     void* s_chunk;
     void* ds_chunk;
     float2* scal;  // (batch * heads, n_chunks * chunk_size): {cum, dt} from the chunk's start (chunk_scalars)
-    float* msum;   // (batch * n_chunks * groups, kMsumSplit, tile pairs, kQ, kQ): M over head ranges
+    float* msum;   // (batch * n_chunks * groups, msum_split, tile pairs, kQ, kQ): M over head ranges
+    int64_t msum_split;  // head ranges of a group that head_msum sums apart (1..heads per group)
 };
 
 template <typename T, int N> struct BwdSmem {
@@ -628,18 +629,14 @@ __device__ __forceinline__ int2 tile_pair(int k) {
     return make_int2(i, k - i * (i + 1) / 2);
 }
 
-// Knobs for the standalone harness (bench/ssd_bwd_check.cu); the library's launcher mirrors the
-// defaults (plan::MSUM_SPLIT, cuda_mma.rs's shared memory sizes; the kernels trap on a mismatch).
+// A knob for the standalone harness (bench/ssd_bwd_check.cu); the library's launcher mirrors the
+// default (cuda_mma.rs's shared memory sizes; the kernels trap on a mismatch).
 #ifndef SSD_BC_STAGES
 #define SSD_BC_STAGES 2
 #endif
-#ifndef SSD_MSUM_SPLIT
-#define SSD_MSUM_SPLIT 2
-#endif
-// head_msum splits a group's heads into this many ranges (about a block per SM at the main shape);
-// bc_sums adds the ranges' sums.
-constexpr int kMsumSplit = SSD_MSUM_SPLIT;
 constexpr int kBcStages = SSD_BC_STAGES;
+// head_msum sums a group's heads in at most this many ranges (plan.rs MSUM_MAX_SPLIT; bc_sums adds them).
+constexpr int kMsumMaxSplit = 2;
 
 // head_msum's shared memory, per pipeline stage: a head's dy and x over the chunk, and {cum, dt}.
 struct MsumStage {
@@ -656,10 +653,12 @@ constexpr int kMsumWarps = 8;
 // Tasks (16 rows x 64 columns of one tile pair) per warp at chunk_size 256: 10 pairs x 4 / 8 warps.
 constexpr int kMsumTasks = 5;
 
-// Grid (batch * n_chunks * groups) x kMsumSplit, kMsumWarps warps: each block reads its heads' x and
-// dy over the whole chunk once and forms every tile pair; task u of warp w is w + kMsumWarps u: pair
-// task / 4, rows 16 (task % 4).. . Off the diagonal tiles (J < I) the decay splits at the row tile's
-// first step I0 (both factors <= 1): 2^(cum_t - cum_s) dt_s = rowf_t colf_I,s, from a per-head table.
+// Grid (batch * n_chunks * groups) x msum_split, kMsumWarps warps: each block reads its range of a
+// group's heads' x and dy over the whole chunk once and forms every tile pair; task u of warp w is
+// w + kMsumWarps u: pair task / 4, rows 16 (task % 4).. . Off the diagonal tiles (J < I) the decay
+// splits at the row tile's first step I0 (both factors <= 1): 2^(cum_t - cum_s) dt_s = rowf_t colf_I,s,
+// from a per-head table. (Skipping the diagonal tiles' all-masked column blocks made it slower:
+// 171 -> 226 us at the main shape.)
 template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaParams& a) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr int PX = pitch<kP>(), E = sizeof(T);
@@ -667,23 +666,25 @@ template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaP
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
     const int64_t n_chunks = ssd_chunk_count(p), hpg = p.heads / p.groups;
     const int n_tiles = int(p.chunk_size / kQ), pairs = n_tiles * (n_tiles + 1) / 2, n_tasks = 4 * pairs;
-    const int64_t split = blockIdx.x % kMsumSplit, unit = blockIdx.x / kMsumSplit;
+    const int64_t n_split = a.msum_split, split = blockIdx.x % n_split, unit = blockIdx.x / n_split;
     const int64_t g = unit % p.groups, chunk = unit / p.groups % n_chunks, b = unit / (p.groups * n_chunks);
-    const int64_t h_begin = g * hpg + split * hpg / kMsumSplit, h_end = g * hpg + (split + 1) * hpg / kMsumSplit;
+    const int64_t h_begin = g * hpg + split * hpg / n_split, h_end = g * hpg + (split + 1) * hpg / n_split;
     const int64_t c0 = chunk * p.chunk_size;
     const MsumStage st(p.chunk_size);
-    if (dynamic_smem_bytes() < 2 * st.bytes) __trap();  // a launcher out of step with MsumStage
+    if (dynamic_smem_bytes() < 2 * st.bytes || n_split > kMsumMaxSplit) __trap();  // a launcher out of step
     auto stage_ptr = [&](int stage, int64_t off) { return smem_raw + stage * st.bytes + off; };
     const T* x = static_cast<const T*>(p.x);
     const T* dy = static_cast<const T*>(a.q.dy);
+    const int64_t row_stride = p.heads * kP, chunk_base = (b * p.seqlen + c0) * row_stride;
+    const int valid_rows = int(min(p.chunk_size, p.seqlen - c0));
     auto load = [&](int64_t i, int stage) {
-        const int64_t h = h_begin + i;
+        const int64_t h = h_begin + i, base = chunk_base + h * kP;
         T* dys = reinterpret_cast<T*>(stage_ptr(stage, st.dy));
         T* xs = reinterpret_cast<T*>(stage_ptr(stage, st.x));
         for (int c = tid; c < p.chunk_size * (kP / 8); c += threads) {
             const int row = c / (kP / 8), col = c % (kP / 8) * 8;
-            const bool valid = c0 + row < p.seqlen;
-            const int64_t off = valid ? ((b * p.seqlen + c0 + row) * p.heads + h) * kP + col : 0;
+            const bool valid = row < valid_rows;
+            const int64_t off = valid ? base + row * row_stride + col : 0;
             cp_async16(&dys[row * PX + col], dy + off, valid);
             cp_async16(&xs[row * PX + col], x + off, valid);
         }
@@ -693,6 +694,9 @@ template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaP
     const int a_rows = lane & 15, a_cols = (lane >> 4) * 8;
     const int bn_rows = (lane & 7) + ((lane >> 4) << 3), bn_cols = ((lane >> 3) & 1) * 8;
     float m[kMsumTasks][kQ / 8][4] = {};
+    int2 task_ij[kMsumTasks];
+#pragma unroll
+    for (int u = 0; u < kMsumTasks; ++u) task_ij[u] = tile_pair((warp + kMsumWarps * u) / 4);
     cp_async_pipeline<2>(h_end - h_begin, load, [&](int64_t, int stage) {
         const uint32_t dys = smem_addr(stage_ptr(stage, st.dy)), xs = smem_addr(stage_ptr(stage, st.x));
         const float2* sc = reinterpret_cast<const float2*>(stage_ptr(stage, st.sc));
@@ -711,7 +715,7 @@ template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaP
         for (int u = 0; u < kMsumTasks; ++u) {
             const int task = warp + kMsumWarps * u;
             if (task >= n_tasks) break;
-            const int2 ij = tile_pair(task / 4);
+            const int2 ij = task_ij[u];
             const int t_row = kQ * ij.x + 16 * (task % 4), s_col = kQ * ij.y;  // the strip's first row, the tile's first column
             float gacc[kQ / 8][4] = {};  // dy_t . x_s
 #pragma unroll
@@ -758,7 +762,7 @@ template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaP
     for (int u = 0; u < kMsumTasks; ++u) {
         const int task = warp + kMsumWarps * u;
         if (task >= n_tasks) break;
-        float* out = a.msum + ((unit * kMsumSplit + split) * pairs + task / 4) * kQ * kQ;
+        float* out = a.msum + ((unit * n_split + split) * pairs + task / 4) * kQ * kQ;
         const int r_lo = 16 * (task % 4) + lane / 4;
 #pragma unroll
         for (int nt = 0; nt < kQ / 8; ++nt) {
@@ -819,17 +823,18 @@ template <typename T, int N> __device__ __forceinline__ void bc_sums(const SsdBw
         const int k = int(kk);
         if (is_db ? k < wt : k > wt) return;
         const int pair = is_db ? k * (k + 1) / 2 + wt : wt * (wt + 1) / 2 + k;
-        const float* mt = a.msum + (unit * kMsumSplit * pairs + pair) * kQ * kQ;
-        const int64_t split_stride = int64_t(pairs) * kQ * kQ;
-        auto m_at = [&](int t, int s) {  // M[t, s], the head ranges summed
-            float v = 0.f;
-#pragma unroll
-            for (int r = 0; r < kMsumSplit; ++r) v += mt[r * split_stride + t * kQ + s];
-            return v;
-        };
+        const float* mt = a.msum + (unit * a.msum_split * pairs + pair) * kQ * kQ;
+        // M[t, s], the head ranges summed. One range: the second read is the first's (an L1 hit) times 0
+        // (a branch here made ptxas spill).
+        const float* mt2 = mt + (a.msum_split - 1) * int64_t(pairs) * kQ * kQ;
+        const float second = a.msum_split > 1 ? 1.f : 0.f;
+        auto m_at = [&](int t, int s) { return fmaf(second, mt2[t * kQ + s], mt[t * kQ + s]); };
         const uint32_t bcs = smem_addr(stage_ptr(stage, st.state));
+        // On the diagonal pair, M's 16-column blocks past (dC) or before (dB) the warp's rows are zero.
+        const int pr_begin = k == wt && is_db ? warp % 4 : 0, pr_end = k == wt && !is_db ? warp % 4 + 1 : kQ / 16;
 #pragma unroll
         for (int pr = 0; pr < kQ / 16; ++pr) {
+            if (pr < pr_begin || pr >= pr_end) continue;
             const int c = 16 * pr + 2 * (lane % 4);
             uint32_t af[4];
 #pragma unroll
@@ -945,7 +950,7 @@ __device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
 // extern "C" entry points: ssd_bwd_mma[_local]_<T>_n<N> (grid (batch * heads, n_parts [- 1]),
 // kThreads threads, sizeof(BwdSmem<T, N>) bytes of dynamic shared memory); after it
 // ssd_bwd_chunk_scalars_<T> (a warp per (batch, head, chunk)), ssd_bwd_head_msum_<T> (grid
-// batch * n_chunks * groups * kMsumSplit, 32 kMsumWarps threads, 2 MsumStage(chunk_size).bytes),
+// batch * n_chunks * groups * msum_split, 32 kMsumWarps threads, 2 MsumStage(chunk_size).bytes),
 // ssd_bwd_bc_sums_<T>_n<N> (grid (batch * n_chunks * groups, 2), 2 chunk_size threads,
 // kBcStages BcStage(chunk_size).bytes), ssd_bwd_reduce_params (a thread per (head, p));
 // ssd_bwd_gate_grad_<T> (grid-stride over element pairs; before the main kernel, with z).

@@ -44,6 +44,7 @@ struct BwdMmaParams {
     ds_chunk: *mut c_void,
     scal: *mut c_void,
     msum: *mut f32,
+    msum_split: i64,
 }
 
 /// `sizeof(SyncSmem<T, N>)` (static_assert in kernels/ssd_fwd_sync.cuh): double-buffered x (64 x 72),
@@ -155,6 +156,7 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
         ds_chunk: at(layout.ds_chunk) as *mut c_void,
         scal: at(layout.scal) as *mut c_void,
         msum: at(layout.msum) as *mut f32,
+        msum_split: layout.msum_split,
     };
     let q = &bwd.params;
     let p = &q.fwd;
@@ -194,7 +196,7 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
     let scalars = flat(p.batch * p.heads * n_chunks * 32, u64::MAX);
     launch(stream, BWD_MODULE, &format!("ssd_bwd_chunk_scalars_{name}"), scalars, &args)?;
     let msum = LaunchConfig {
-        grid: (units * plan::MSUM_SPLIT as u64, 1, 1),
+        grid: (units * layout.msum_split as u64, 1, 1),
         block: MSUM_THREADS,
         shared_bytes: msum_shared_bytes(p.chunk_size),
     };

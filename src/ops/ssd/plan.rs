@@ -161,8 +161,9 @@ pub fn mma_applies(s: &Shape) -> bool {
 /// The largest chunk the backward's head sums take (kernels/ssd_bwd.cu: `kMsumTasks`, and its
 /// 2 * chunk_size-thread blocks).
 const MMA_MAX_CHUNK: i64 = 256;
-/// `ssd_mma::kMsumSplit`: head_msum sums a group's heads in this many ranges.
-pub const MSUM_SPLIT: i64 = 2;
+/// head_msum sums a group's heads in up to this many ranges, each a block (two give about a block
+/// per SM at the main shape; with a head or so per group a second range would only add workspace).
+const MSUM_MAX_SPLIT: i64 = 2;
 
 /// Parts of the tensor-core forward's sequence split: as many as one wave of blocks holds (a second,
 /// partial wave would cost a whole one), at most one per tile.
@@ -204,8 +205,11 @@ pub struct MmaBwdLayout {
     pub chunk_state_bytes: i64,
     /// (batch * heads, n_chunks * chunk_size) f32 pairs: each step's {cum, dt} from its chunk's start.
     pub scal: i64,
-    /// (batch * n_chunks * groups, MSUM_SPLIT, tile pairs, 64, 64) f32: M summed over head ranges.
+    /// (batch * n_chunks * groups, msum_split, tile pairs, 64, 64) f32: M summed over head ranges.
     pub msum: i64,
+    /// The head ranges of a group that head_msum sums apart: at most MSUM_MAX_SPLIT, at most the
+    /// group's heads.
+    pub msum_split: i64,
     /// (n_parts, batch * heads, tiles per chunk - 1, headdim * dstate) f32: recomputed tile states.
     pub scratch: i64,
     /// (n_parts, batch, heads) f32 each, and (n_parts, batch, heads, headdim) f32.
@@ -232,7 +236,8 @@ pub fn mma_bwd_layout(s: &Shape) -> MmaBwdLayout {
     let ds_chunk = c.take(chunk_state_bytes);
     let scal = c.take(bh * n_chunks * s.chunk_size * 8);
     let tiles = s.chunk_size / MMA_TILE;
-    let msum = c.take(s.batch * n_chunks * s.groups * MSUM_SPLIT * tiles * (tiles + 1) / 2 * MMA_TILE * MMA_TILE * 4);
+    let msum_split = MSUM_MAX_SPLIT.min(s.heads / s.groups).max(1);
+    let msum = c.take(s.batch * n_chunks * s.groups * msum_split * tiles * (tiles + 1) / 2 * MMA_TILE * MMA_TILE * 4);
     let scratch = c.take(n_parts * bh * (s.chunk_size / MMA_TILE - 1) * state * 4);
     let da_part = c.take(n_parts * bh * 4);
     let dbias_part = c.take(n_parts * bh * 4);
@@ -247,6 +252,7 @@ pub fn mma_bwd_layout(s: &Shape) -> MmaBwdLayout {
         chunk_state_bytes,
         scal,
         msum,
+        msum_split,
         scratch,
         da_part,
         dbias_part,
@@ -309,6 +315,11 @@ mod tests {
         let l = mma_bwd_layout(&s);
         let (bh, n_chunks, state) = (12, 2, 64 * 128);
         assert_eq!(l.chunk_state_bytes, bh * n_chunks * state * 2);
+        // Two heads per group: two head ranges. One head per group: one range, and no room for a second.
+        assert_eq!(l.msum_split, 2);
+        let single = mma_bwd_layout(&Shape { groups: 6, ..s });
+        assert_eq!(single.msum_split, 1);
+        assert_eq!(single.scratch - single.msum, 2 * n_chunks * 6 * 10 * 64 * 64 * 4);
         // With z, the forward's split records span both chunk-state arrays.
         assert_eq!(l.ds_chunk, l.s_chunk + l.chunk_state_bytes);
         let spans = [
@@ -316,7 +327,7 @@ mod tests {
             (l.s_chunk, l.chunk_state_bytes),
             (l.ds_chunk, l.chunk_state_bytes),
             (l.scal, bh * n_chunks * 256 * 8),
-            (l.msum, 2 * n_chunks * 3 * MSUM_SPLIT * 10 * 64 * 64 * 4),
+            (l.msum, 2 * n_chunks * 3 * l.msum_split * 10 * 64 * 64 * 4),
             (l.scratch, l.n_parts * bh * 3 * state * 4),
             (l.da_part, l.n_parts * bh * 4),
             (l.dbias_part, l.n_parts * bh * 4),
