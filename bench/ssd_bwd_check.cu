@@ -3,6 +3,7 @@
 //   ssd_bwd_check check|time batch seqlen heads groups dstate dtype chunk D bias softplus h0 dfinal clamp
 // D: 0 none, 1 per head, 2 per channel. `check` compares every gradient with a double-precision
 // reverse recurrence (chunk states come from the reference forward); `time` times the kernels.
+// dB and dC through the head sums, or with SSD_BWD_PARTIALS=1 through the per-head partials.
 #include "../kernels/ssd_bwd.cu"
 
 #include <cuda_runtime.h>
@@ -215,13 +216,21 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&a.scal, B * H * NC * chunk * 8 + 16));
     // head_msum's head ranges per group (plan.rs: at most 2, at most the group's heads; SSD_MSUM_SPLIT overrides).
     a.msum_split = getenv("SSD_MSUM_SPLIT") ? atoll(getenv("SSD_MSUM_SPLIT")) : std::min<int64_t>(2, H / G);
+    // SSD_BWD_PARTIALS=1: the per-head path (dB, dC partials per head, then reduce_bc).
+    const bool partials = getenv("SSD_BWD_PARTIALS") && atoi(getenv("SSD_BWD_PARTIALS"));
+    if (partials) {
+        CK(cudaMalloc(&a.db_part, B * L * H * N * 2 + 16));
+        CK(cudaMalloc(&a.dc_part, B * L * H * N * 2 + 16));
+    }
     CK(cudaMalloc(&a.msum, B * NC * G * a.msum_split * pairs * 64 * 64 * 4 + 16));
 
     // stages: 1 the main kernels, 2 the head sums and the reductions after them.
     auto launch = [&](int stages = 3) {
         const int smem = int(N == 64 ? sizeof(ssd_mma::BwdSmem<bf16, 64>) : sizeof(ssd_mma::BwdSmem<bf16, 128>));
-        auto k = g_bf16 ? (N == 64 ? ssd_bwd_mma_bf16_n64 : ssd_bwd_mma_bf16_n128)
-                        : (N == 64 ? ssd_bwd_mma_f16_n64 : ssd_bwd_mma_f16_n128);
+        auto k = partials ? (g_bf16 ? (N == 64 ? ssd_bwd_mma_partials_bf16_n64 : ssd_bwd_mma_partials_bf16_n128)
+                                    : (N == 64 ? ssd_bwd_mma_partials_f16_n64 : ssd_bwd_mma_partials_f16_n128))
+                          : (g_bf16 ? (N == 64 ? ssd_bwd_mma_bf16_n64 : ssd_bwd_mma_bf16_n128)
+                                    : (N == 64 ? ssd_bwd_mma_f16_n64 : ssd_bwd_mma_f16_n128));
         auto kl = g_bf16 ? (N == 64 ? ssd_bwd_mma_local_bf16_n64 : ssd_bwd_mma_local_bf16_n128)
                          : (N == 64 ? ssd_bwd_mma_local_f16_n64 : ssd_bwd_mma_local_f16_n128);
         CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -229,7 +238,11 @@ int main(int argc, char** argv) {
         if ((stages & 1) && B * H > 0 && a.n_parts > 1) kl<<<dim3(unsigned(B * H), unsigned(a.n_parts - 1)), ssd_mma::kThreads, smem>>>(a);
         if ((stages & 1) && B * H > 0) k<<<dim3(unsigned(B * H), unsigned(a.n_parts)), ssd_mma::kThreads, smem>>>(a);
         if (!(stages & 2)) return;
-        if (B * H * NC > 0) {
+        if (partials) {
+            const int64_t items = B * L * G * N / 8;  // as the launcher: 256 threads, at most 4096 blocks
+            const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>((items + 255) / 256, 4096)));
+            (g_bf16 ? ssd_bwd_reduce_bc_bf16 : ssd_bwd_reduce_bc_f16)<<<blocks, 256>>>(a);
+        } else if (B * H * NC > 0) {
             const unsigned units = unsigned(B * NC * G);
             (g_bf16 ? ssd_bwd_chunk_scalars_bf16 : ssd_bwd_chunk_scalars_f16)<<<unsigned((B * H * NC + 3) / 4), 128>>>(a);
             auto msum = g_bf16 ? ssd_bwd_head_msum_bf16 : ssd_bwd_head_msum_f16;

@@ -8,15 +8,16 @@
 // thread its own accumulators). Per tile, with cum, dt, w as in the forward, L[t, s] = 2^(cum_t -
 // cum_s) for s <= t, S the state entering the tile (rounded to T as an mma operand):
 //   dx  = (B C^T o L)^T-ish products:  dx[s]  = dt_s sum_t L (C_t.B_s) dy_t + w_s (dS B_s) + D dy_s
-//   dB[s] = dt_s sum_t L (dy_t.x_s) C_t + w_s x_s^T dS         (per head, summed over the group: bc_sums)
-//   dC[t] = sum_s L dt_s (dy_t.x_s) B_s + 2^cum_t dy_t S        (likewise; only its y term here)
+//   dB[s] = dt_s sum_t L (dy_t.x_s) C_t + w_s x_s^T dS         (per head, summed over the group)
+//   dC[t] = sum_s L dt_s (dy_t.x_s) B_s + 2^cum_t dy_t S        (likewise)
 //   dS   <- 2^cum_last dS + sum_t 2^cum_t dy_t^T C_t
 // and ddt / dA from the gradient of cum (see tile_dt_grads). Warp w computes the step-major products
-// for rows s = 16w.. (columns t >= s) and t = 16w.. (columns s <= t). dB and dC are not formed here:
-// per head they would be as large as B and C times the group's heads, so the main kernel stores each
-// chunk's S and dS instead and the head-sum kernels below form dB and dC summed over the group's
-// heads, a chunk at a time. dA, ddt_bias and dD go to per-(batch, head) partials; the reduce kernel
-// sums them in a fixed order (no atomics: bitwise-repeatable).
+// for rows s = 16w.. (columns t >= s) and t = 16w.. (columns s <= t). dB and dC go one of two ways
+// (src/ops/ssd/plan.rs `mma_bwd_head_sums` picks per shape): per head into partials as large as B
+// and C times the group's heads, which reduce_bc sums (PARTIALS: few heads per group); or not formed
+// here at all: the main kernel stores each chunk's S and dS and the head-sum kernels below form dB
+// and dC summed over the group's heads, a chunk at a time. dA, ddt_bias and dD go to per-(batch,
+// head) partials; the reduce kernels sum in a fixed order (no atomics: bitwise-repeatable).
 #include "ssd_mma.cuh"
 
 namespace ssd_mma {
@@ -41,6 +42,9 @@ struct SsdBwdMmaParams {
     float2* scal;  // (batch * heads, n_chunks * chunk_size): {cum, dt} from the chunk's start (chunk_scalars)
     float* msum;   // (batch * n_chunks * groups, msum_split, tile pairs, kQ, kQ): M over head ranges
     int64_t msum_split;  // head ranges of a group that head_msum sums apart (1..heads per group)
+    // The per-head path (PARTIALS): (batch, seqlen, heads, dstate) T each, summed by reduce_bc.
+    void* db_part;
+    void* dc_part;
 };
 
 template <typename T, int N> struct BwdSmem {
@@ -121,7 +125,9 @@ __device__ __forceinline__ void rows_times_state(float (&acc)[N / 8][4], uint32_
     }
 }
 
-template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd_mma(const SsdBwdMmaParams& a) {
+// PARTIALS: dB and dC per head into db_part / dc_part (reduce_bc sums them), for few heads per group;
+// else each chunk's S and dS for the head-sum kernels below.
+template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline__ void ssd_bwd_mma(const SsdBwdMmaParams& a) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     BwdSmem<T, N>& sm = *reinterpret_cast<BwdSmem<T, N>*>(smem_raw);
     using O = Ops<T>;
@@ -146,6 +152,18 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
     const uint32_t xs = smem_addr(sm.x), dys = smem_addr(sm.dy), bs = smem_addr(sm.b), cs = smem_addr(sm.c);
     const uint32_t ss = smem_addr(sm.s), dss = smem_addr(sm.ds);
     const int r_lo = 16 * warp + lane / 4, r_hi = r_lo + 8;  // this thread's accumulator rows
+    // PARTIALS: a tile's dB or dC of this head (rows r_lo, r_hi of acc) into (batch, seqlen, heads, N).
+    auto store_partial = [&](const float (&acc)[N / 8][4], void* part, int64_t t0) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int64_t t = t0 + (half ? r_hi : r_lo);
+            if (t >= p.seqlen) continue;
+            T* dst = static_cast<T*>(part) + ((b * p.seqlen + t) * p.heads + h) * N + 2 * (lane % 4);
+#pragma unroll
+            for (int q = 0; q < N / 8; ++q)
+                *reinterpret_cast<T2*>(dst + 8 * q) = O::pack2(acc[q][2 * half], acc[q][2 * half + 1]);
+        }
+    };
     // Tile loads: x (and dy) rows of kP, B (and C) rows of N elements; zero past the end.
     const TileCopy<kP> xcopy;
     const TileCopy<N> bccopy;
@@ -327,12 +345,12 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                 for_state_pairs<N>(sv, [&](float* acc, int row, int col) {
                     const T2 v = O::pack2(acc[0], acc[1]);
                     *reinterpret_cast<T2*>(&sm.s[row * PN + col]) = v;
-                    if (j == 0) *reinterpret_cast<T2*>(&s_out[row * N + col]) = v;
+                    if (!PARTIALS && j == 0) *reinterpret_cast<T2*>(&s_out[row * N + col]) = v;
                 });
                 for_state_pairs<N>(ds, [&](float* acc, int row, int col) {
                     const T2 v = O::pack2(acc[0], acc[1]);
                     *reinterpret_cast<T2*>(&sm.ds[row * PN + col]) = v;
-                    if (j == tiles - 1) *reinterpret_cast<T2*>(&ds_out[row * N + col]) = v;
+                    if (!PARTIALS && j == tiles - 1) *reinterpret_cast<T2*>(&ds_out[row * N + col]) = v;
                 });
             }
 #pragma unroll
@@ -395,7 +413,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                     }
                 }
                 // Mask and decay: a1 = P1 L dt_s (for dx), V = P1 G2 L.
-                uint32_t a1[kQ / 16][4];
+                uint32_t a1[kQ / 16][4], a2[kQ / 16][4];  // a2 = G2 L dt_s (PARTIALS: for dB)
                 float in_lo = 0.f, in_hi = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < kQ / 8; ++nt) {
@@ -408,6 +426,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                             const float dts = e < 2 ? dt_lo : dt_hi;
                             const float v = p1[nt][e] * g2[nt][e] * l;
                             p1[nt][e] *= l * dts;
+                            if (PARTIALS) g2[nt][e] *= l * dts;
                             (e < 2 ? in_lo : in_hi) += v;
                             vsum[e & 1] += v * dts;
                         }
@@ -432,6 +451,7 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
 #pragma unroll
                 for (int pr = 0; pr < kQ / 16; ++pr) {
                     to_a_frag<T>(a1[pr], p1[2 * pr], p1[2 * pr + 1]);
+                    if (PARTIALS) to_a_frag<T>(a2[pr], g2[2 * pr], g2[2 * pr + 1]);
                 }
                 // dx += a1 dy (k = t).
 #pragma unroll
@@ -463,9 +483,24 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                         }
                     }
                 }
+                if constexpr (PARTIALS) {  // this head's dB = w_s x_s^T dS + a2 C
+                    float db[N / 8][4] = {};
+                    rows_times_state<T, N>(db, xs, w_lo, w_hi, dss);
+#pragma unroll
+                    for (int pr = 0; pr < kQ / 16; ++pr) {
+                        if (pr < warp) continue;
+#pragma unroll
+                        for (int q = 0; q < N / 16; ++q) {
+                            uint32_t bb[4];
+                            ldsm_x4_trans(bb, cs + ((16 * pr + bt_rows) * PN + 16 * q + bt_cols) * E);
+                            mma_pair<T>(db[2 * q], db[2 * q + 1], a2[pr], bb);
+                        }
+                    }
+                    store_partial(db, a.db_part, t0);
+                }
             }
 
-            // ---- Rows t = 16 warp.. : the y term of cum_t.
+            // ---- Rows t = 16 warp.. : the y term of cum_t (and PARTIALS: this head's dC).
             {
                 const float e_lo = sm.sc.ecum[r_lo], e_hi = sm.sc.ecum[r_hi];
                 float dc[N / 8][4] = {};  // first 2^cum_t dy_t S
@@ -474,6 +509,43 @@ template <typename T, int N, bool LOCAL> __device__ __forceinline__ void ssd_bwd
                 if (lane % 4 == 0) {
                     sm.y0[r_lo] = cdot.x;
                     sm.y0[r_hi] = cdot.y;
+                }
+                if constexpr (PARTIALS) {  // dC = 2^cum_t dy_t S (in dc already) + a3 B, a3 = G2 L dt_s
+                    float g2[kQ / 8][4] = {};  // dy_t . x_s for s-tiles <= warp
+#pragma unroll
+                    for (int kk = 0; kk < kP / 16; ++kk) {
+                        uint32_t af[4];
+                        ldsm_x4(af, dys + ((16 * warp + a_rows) * PX + 16 * kk + a_cols) * E);
+#pragma unroll
+                        for (int pr = 0; pr < kQ / 16; ++pr) {
+                            if (pr > warp) break;
+                            uint32_t bb[4];
+                            ldsm_x4(bb, xs + ((16 * pr + bn_rows) * PX + 16 * kk + bn_cols) * E);
+                            mma_pair<T>(g2[2 * pr], g2[2 * pr + 1], af, bb);
+                        }
+                    }
+#pragma unroll
+                    for (int pr = 0; pr < kQ / 16; ++pr) {
+                        if (pr > warp) break;
+                        uint32_t a3[4];
+#pragma unroll
+                        for (int half = 0; half < 2; ++half) {
+                            float* acc = g2[2 * pr + half];
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int s = 16 * pr + 8 * half + 2 * (lane % 4) + (e & 1), trow = e < 2 ? r_lo : r_hi;
+                                acc[e] = s <= trow ? acc[e] * ex2_ftz((e < 2 ? cum_lo : cum_hi) - cum_of(s)) * dt_of(s) : 0.f;
+                            }
+                        }
+                        to_a_frag<T>(a3, g2[2 * pr], g2[2 * pr + 1]);
+#pragma unroll
+                        for (int q = 0; q < N / 16; ++q) {
+                            uint32_t bb[4];
+                            ldsm_x4_trans(bb, bs + ((16 * pr + bt_rows) * PN + 16 * q + bt_cols) * E);
+                            mma_pair<T>(dc[2 * q], dc[2 * q + 1], a3, bb);
+                        }
+                    }
+                    store_partial(dc, a.dc_part, t0);
                 }
             }
 
@@ -917,6 +989,41 @@ template <typename T> __device__ __forceinline__ void gate_grad(const SsdBwdMmaP
     }
 }
 
+// The per-head path: dB, dC summed over a group's heads from the partials, in a fixed order
+// (grid-stride over (batch, seqlen, groups) x 8-state vectors: 16-byte loads).
+template <typename T> __device__ __forceinline__ void reduce_bc(const SsdBwdMmaParams& a) {
+    using T2 = typename Ops<T>::T2;
+    const SsdParams& p = a.q.fwd;
+    constexpr int V = 8;  // states per thread (dstate is 64 or 128)
+    const int64_t vecs = p.dstate / V, total = p.batch * p.seqlen * p.groups * vecs, per_group = p.heads / p.groups;
+    T* dB = static_cast<T*>(a.q.dB);
+    T* dC = static_cast<T*>(a.q.dC);
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t v = i % vecs, g = (i / vecs) % p.groups, bl = i / (vecs * p.groups);
+        const int64_t base = (bl * p.heads + g * per_group) * p.dstate + v * V;
+        float sb[V] = {}, sc[V] = {};
+#pragma unroll 4
+        for (int64_t k = 0; k < per_group; ++k) {
+            const uint4 rb = *reinterpret_cast<const uint4*>(static_cast<const T*>(a.db_part) + base + k * p.dstate);
+            const uint4 rc = *reinterpret_cast<const uint4*>(static_cast<const T*>(a.dc_part) + base + k * p.dstate);
+            const T2* eb = reinterpret_cast<const T2*>(&rb);
+            const T2* ec = reinterpret_cast<const T2*>(&rc);
+#pragma unroll
+            for (int e = 0; e < V / 2; ++e) {
+                const float2 fb = Ops<T>::unpack2(eb[e]), fc = Ops<T>::unpack2(ec[e]);
+                sb[2 * e] += fb.x, sb[2 * e + 1] += fb.y;
+                sc[2 * e] += fc.x, sc[2 * e + 1] += fc.y;
+            }
+        }
+        const int64_t out = i * V;  // (bl, g, v) row-major = the element offset / V
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+            dB[out + e] = from_f32<T>(sb[e]);
+            dC[out + e] = from_f32<T>(sc[e]);
+        }
+    }
+}
+
 __device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
     const SsdParams& p = a.q.fwd;
     const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;  // (head, p)
@@ -947,8 +1054,9 @@ __device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
 
 }  // namespace ssd_mma
 
-// extern "C" entry points: ssd_bwd_mma[_local]_<T>_n<N> (grid (batch * heads, n_parts [- 1]),
-// kThreads threads, sizeof(BwdSmem<T, N>) bytes of dynamic shared memory); after it
+// extern "C" entry points: ssd_bwd_mma[_local|_partials]_<T>_n<N> (grid (batch * heads, n_parts
+// [- 1]), kThreads threads, sizeof(BwdSmem<T, N>) bytes of dynamic shared memory); after _partials
+// ssd_bwd_reduce_bc_<T> (grid-stride over (batch, seqlen, groups, dstate / 8)); else after it
 // ssd_bwd_chunk_scalars_<T> (a warp per (batch, head, chunk)), ssd_bwd_head_msum_<T> (grid
 // batch * n_chunks * groups * msum_split, 32 kMsumWarps threads, 2 MsumStage(chunk_size).bytes),
 // ssd_bwd_bc_sums_<T>_n<N> (grid (batch * n_chunks * groups, 2), 2 chunk_size threads,
@@ -957,11 +1065,15 @@ __device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
 #define SSD_BWD_MMA(T, N)                                                                          \
     extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                             \
         ssd_bwd_mma_##T##_n##N(const ssd_mma::SsdBwdMmaParams a) {                                 \
-        ssd_mma::ssd_bwd_mma<T, N, false>(a);                                                      \
+        ssd_mma::ssd_bwd_mma<T, N, false, false>(a);                                               \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                             \
+        ssd_bwd_mma_partials_##T##_n##N(const ssd_mma::SsdBwdMmaParams a) {                        \
+        ssd_mma::ssd_bwd_mma<T, N, false, true>(a);                                                \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                             \
         ssd_bwd_mma_local_##T##_n##N(const ssd_mma::SsdBwdMmaParams a) {                           \
-        ssd_mma::ssd_bwd_mma<T, N, true>(a);                                                       \
+        ssd_mma::ssd_bwd_mma<T, N, true, false>(a);                                                \
     }
 SSD_BWD_MMA(bf16, 64)
 SSD_BWD_MMA(bf16, 128)
@@ -987,6 +1099,9 @@ SSD_BWD_BC_SUMS(f16, 128)
     }                                                                                              \
     extern "C" __global__ void ssd_bwd_gate_grad_##T(const ssd_mma::SsdBwdMmaParams a) {           \
         ssd_mma::gate_grad<T>(a);                                                                  \
+    }                                                                                              \
+    extern "C" __global__ void ssd_bwd_reduce_bc_##T(const ssd_mma::SsdBwdMmaParams a) {           \
+        ssd_mma::reduce_bc<T>(a);                                                                  \
     }
 SSD_BWD_PER_TYPE(bf16)
 SSD_BWD_PER_TYPE(f16)

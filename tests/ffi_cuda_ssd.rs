@@ -185,8 +185,8 @@ fn large_shapes() {
 
 /// The tensor-core kernels (bf16/f16, headdim 64, dstate 64 or 128, chunks of whole 64-step tiles):
 /// odd lengths, groups, both forms of D, the clamp, z (the backward recomputes y before the gate,
-/// split as far as its records fit), and the sequence splits of both passes (few batch x heads: up
-/// to one part per 64-step tile forward, per chunk backward).
+/// split as far as its records fit), the sequence splits of both passes (few batch x heads: up to
+/// one part per 64-step tile forward, per chunk backward), and both ways to dB and dC.
 #[test]
 fn tensor_core_paths() {
     if !gpu() {
@@ -202,6 +202,9 @@ fn tensor_core_paths() {
         (3, 130, 4, 128, 4, 64, Dt::BF16, DForm::PerHead, true, false),
         (2, 64, 8, 64, 2, 64, Dt::BF16, DForm::PerChannel, false, false),
         (1, 700, 2, 64, 1, 128, Dt::F16, DForm::PerChannel, true, true),
+        // 32 heads per group and 2 x 32 (batch, chunk, group) units: dB and dC through the head sums
+        // (plan::mma_bwd_head_sums); every case above takes the per-head partials.
+        (2, 8100, 32, 128, 1, 256, Dt::BF16, DForm::PerChannel, true, false),
     ]
     .iter()
     .enumerate()

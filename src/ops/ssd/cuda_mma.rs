@@ -45,6 +45,8 @@ struct BwdMmaParams {
     scal: *mut c_void,
     msum: *mut f32,
     msum_split: i64,
+    db_part: *mut c_void,
+    dc_part: *mut c_void,
 }
 
 /// `sizeof(SyncSmem<T, N>)` (static_assert in kernels/ssd_fwd_sync.cuh): double-buffered x (64 x 72),
@@ -157,12 +159,14 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
         scal: at(layout.scal) as *mut c_void,
         msum: at(layout.msum) as *mut f32,
         msum_split: layout.msum_split,
+        db_part: at(layout.db_part) as *mut c_void,
+        dc_part: at(layout.dc_part) as *mut c_void,
     };
     let q = &bwd.params;
     let p = &q.fwd;
     if bwd.present.z {
         // y before the gate, into `gated`, by the forward kernel, its split's records where the chunk
-        // states go later (split less where they do not fit)...
+        // states or the per-head partials go later (split less where they do not fit)...
         let y_pre = SsdParams {
             z: std::ptr::null(),
             y: args.gated,
@@ -174,7 +178,12 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
         };
         let present = Present { z: false, ..bwd.present };
         let ssd = Ssd { params: y_pre, dtype: bwd.dtype, present, save_chunk_states: false };
-        fwd(&ssd, shape, args.s_chunk as *mut u8, 2 * layout.chunk_state_bytes, stream)?;
+        let (records, records_bytes) = if layout.head_sums {
+            (args.s_chunk, 2 * layout.chunk_state_bytes)
+        } else {
+            (args.db_part, 2 * layout.part_bytes)
+        };
+        fwd(&ssd, shape, records as *mut u8, records_bytes, stream)?;
         // ...then dz, and the gradient of y before the gate over it, which the ungated kernels take as dy.
         let pairs = p.batch * p.seqlen * p.heads * p.headdim / 2;
         let config = flat(pairs, REDUCE_MAX_BLOCKS);
@@ -187,12 +196,20 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
         let config = blocks(p, layout.n_parts - 1, smem);
         launch(stream, BWD_MODULE, &format!("ssd_bwd_mma_local_{types}"), config, &args)?;
     }
+    let name = bwd.dtype.name();
+    if !layout.head_sums {
+        // dB, dC per head, then summed over each group: a thread per 8 states of (batch, seqlen, group).
+        let main = format!("ssd_bwd_mma_partials_{types}");
+        launch(stream, BWD_MODULE, &main, blocks(p, layout.n_parts, smem), &args)?;
+        let reduce_bc = flat(p.batch * p.seqlen * p.groups * p.dstate / 8, REDUCE_MAX_BLOCKS);
+        launch(stream, BWD_MODULE, &format!("ssd_bwd_reduce_bc_{name}"), reduce_bc, &args)?;
+        return reduce_params(p, &args, stream);
+    }
     launch(stream, BWD_MODULE, &format!("ssd_bwd_mma_{types}"), blocks(p, layout.n_parts, smem), &args)?;
     // dB, dC: each step's {cum, dt} (a warp per (batch, head, chunk)), M summed over head ranges (a
     // block per (batch, chunk, group) and range), then a block per (batch, chunk, group) for each.
     let n_chunks = (p.seqlen + p.chunk_size - 1) / p.chunk_size;
     let units = (p.batch * n_chunks * p.groups) as u64;
-    let name = bwd.dtype.name();
     let scalars = flat(p.batch * p.heads * n_chunks * 32, u64::MAX);
     launch(stream, BWD_MODULE, &format!("ssd_bwd_chunk_scalars_{name}"), scalars, &args)?;
     let msum = LaunchConfig {
@@ -207,7 +224,10 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
         shared_bytes: bc_shared_bytes(p.chunk_size, p.dstate),
     };
     launch(stream, BWD_MODULE, &format!("ssd_bwd_bc_sums_{types}"), bc, &args)?;
-    // dA, dD, ddt_bias: a thread per (head, p).
-    let reduce_params = flat(p.heads * p.headdim, u64::MAX);
-    launch(stream, BWD_MODULE, "ssd_bwd_reduce_params", reduce_params, &args)
+    reduce_params(p, &args, stream)
+}
+
+/// dA, dD, ddt_bias from their per-(part, batch) partials: a thread per (head, p).
+fn reduce_params(p: &SsdParams, args: &BwdMmaParams, stream: *mut c_void) -> Result<()> {
+    launch(stream, BWD_MODULE, "ssd_bwd_reduce_params", flat(p.heads * p.headdim, u64::MAX), args)
 }

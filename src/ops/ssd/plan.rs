@@ -188,13 +188,24 @@ fn mma_fwd_bytes(s: &Shape) -> i64 {
     }
 }
 
+/// Whether the tensor-core backward forms dB and dC summed over a group's heads a chunk at a time
+/// (head_msum, bc_sums) rather than per head (partials summed by reduce_bc). The head sums pay per
+/// (batch, chunk, group) unit, so they win only with many heads per group, units enough to fill the
+/// GPU (two head_msum blocks each, 132 SMs), dstate 128 and 256-step chunks (BENCHMARKS.md, stop 25).
+pub fn mma_bwd_head_sums(s: &Shape) -> bool {
+    let n_chunks = (s.seqlen + s.chunk_size - 1) / s.chunk_size;
+    s.dstate == 128 && s.chunk_size == 256 && s.heads / s.groups >= 32 && s.batch * n_chunks * s.groups >= 64
+}
+
 /// Where the tensor-core backward's arrays lie in its workspace (byte offsets from the aligned start)
-/// and how it splits the sequence.
+/// and how it splits the sequence. The arrays of the dB/dC path not taken are empty.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MmaBwdLayout {
     /// Parts of whole chunks (one wave of blocks), `chunks_per_part` chunks each.
     pub n_parts: i64,
     pub chunks_per_part: i64,
+    /// `mma_bwd_head_sums`: the head-sum path (s_chunk .. msum) or the per-head one (db_part, dc_part).
+    pub head_sums: bool,
     /// (batch, seqlen, heads, headdim) in the inputs' (2-byte) type: with z, y before the gate, then
     /// the gradient of y before the gate.
     pub gated: i64,
@@ -210,6 +221,11 @@ pub struct MmaBwdLayout {
     /// The head ranges of a group that head_msum sums apart: at most MSUM_MAX_SPLIT, at most the
     /// group's heads.
     pub msum_split: i64,
+    /// (batch, seqlen, heads, dstate) each, 2-byte type: per-head dB and dC, `part_bytes` each, the
+    /// second right after the first (but for alignment).
+    pub db_part: i64,
+    pub dc_part: i64,
+    pub part_bytes: i64,
     /// (n_parts, batch * heads, tiles per chunk - 1, headdim * dstate) f32: recomputed tile states.
     pub scratch: i64,
     /// (n_parts, batch, heads) f32 each, and (n_parts, batch, heads, headdim) f32.
@@ -230,14 +246,22 @@ pub fn mma_bwd_layout(s: &Shape) -> MmaBwdLayout {
     let state = s.headdim * s.dstate;
     let mut c = Carver::default();
     let gated = c.take(s.batch * s.seqlen * s.heads * s.headdim * 2);
-    let chunk_state_bytes = bh * n_chunks * state * 2;
-    // (chunk_state_bytes is a multiple of ALIGN: state = 64 x dstate elements.)
+    let head_sums = mma_bwd_head_sums(s);
+    let sized = |bytes: i64, used: bool| if used { bytes } else { 0 };
+    let chunk_state_bytes = sized(bh * n_chunks * state * 2, head_sums);
+    // Each path's two arrays are adjacent, so that with z the forward's split records can take both:
+    // chunk_state_bytes is a multiple of ALIGN (state = 64 x dstate elements); part_bytes may fall
+    // short of one by a pad, which the records' 2 x part_bytes then leave unused.
     let s_chunk = c.take(chunk_state_bytes);
     let ds_chunk = c.take(chunk_state_bytes);
-    let scal = c.take(bh * n_chunks * s.chunk_size * 8);
+    let scal = c.take(sized(bh * n_chunks * s.chunk_size * 8, head_sums));
     let tiles = s.chunk_size / MMA_TILE;
     let msum_split = MSUM_MAX_SPLIT.min(s.heads / s.groups).max(1);
-    let msum = c.take(s.batch * n_chunks * s.groups * msum_split * tiles * (tiles + 1) / 2 * MMA_TILE * MMA_TILE * 4);
+    let msum_bytes = s.batch * n_chunks * s.groups * msum_split * tiles * (tiles + 1) / 2 * MMA_TILE * MMA_TILE * 4;
+    let msum = c.take(sized(msum_bytes, head_sums));
+    let part_bytes = sized(s.batch * s.seqlen * s.heads * s.dstate * 2, !head_sums);
+    let db_part = c.take(part_bytes);
+    let dc_part = c.take(part_bytes);
     let scratch = c.take(n_parts * bh * (s.chunk_size / MMA_TILE - 1) * state * 4);
     let da_part = c.take(n_parts * bh * 4);
     let dbias_part = c.take(n_parts * bh * 4);
@@ -246,6 +270,7 @@ pub fn mma_bwd_layout(s: &Shape) -> MmaBwdLayout {
     MmaBwdLayout {
         n_parts,
         chunks_per_part,
+        head_sums,
         gated,
         s_chunk,
         ds_chunk,
@@ -253,6 +278,9 @@ pub fn mma_bwd_layout(s: &Shape) -> MmaBwdLayout {
         scal,
         msum,
         msum_split,
+        db_part,
+        dc_part,
+        part_bytes,
         scratch,
         da_part,
         dbias_part,
@@ -300,7 +328,7 @@ mod tests {
 
     #[test]
     fn mma_bwd_arrays_are_aligned_and_disjoint() {
-        let s = Shape {
+        let few = Shape {
             batch: 2,
             seqlen: 333,
             heads: 6,
@@ -310,36 +338,58 @@ mod tests {
             chunk_size: 256,
             elem_bytes: 2,
         };
-        assert!(mma_applies(&s));
-        assert!(!mma_applies(&Shape { chunk_size: 512, ..s }), "head_msum takes chunks up to 256");
-        let l = mma_bwd_layout(&s);
-        let (bh, n_chunks, state) = (12, 2, 64 * 128);
-        assert_eq!(l.chunk_state_bytes, bh * n_chunks * state * 2);
-        // Two heads per group: two head ranges. One head per group: one range, and no room for a second.
-        assert_eq!(l.msum_split, 2);
-        let single = mma_bwd_layout(&Shape { groups: 6, ..s });
-        assert_eq!(single.msum_split, 1);
-        assert_eq!(single.scratch - single.msum, 2 * n_chunks * 6 * 10 * 64 * 64 * 4);
-        // With z, the forward's split records span both chunk-state arrays.
-        assert_eq!(l.ds_chunk, l.s_chunk + l.chunk_state_bytes);
-        let spans = [
-            (l.gated, 2 * 333 * 6 * 64 * 2),
-            (l.s_chunk, l.chunk_state_bytes),
-            (l.ds_chunk, l.chunk_state_bytes),
-            (l.scal, bh * n_chunks * 256 * 8),
-            (l.msum, 2 * n_chunks * 3 * l.msum_split * 10 * 64 * 64 * 4),
-            (l.scratch, l.n_parts * bh * 3 * state * 4),
-            (l.da_part, l.n_parts * bh * 4),
-            (l.dbias_part, l.n_parts * bh * 4),
-            (l.dd_part, l.n_parts * bh * 64 * 4),
-            (l.records, (l.n_parts - 1) * bh * (state + 1) * 4),
-        ];
-        for (i, &(at, len)) in spans.iter().enumerate() {
-            assert_eq!(at % ALIGN, 0);
-            assert!(at + len + ALIGN <= l.bytes, "array {i} ends past the workspace");
-            for &(other, other_len) in &spans[i + 1..] {
-                assert!(len == 0 || other_len == 0 || at + len <= other || other + other_len <= at, "arrays overlap");
+        assert!(mma_applies(&few));
+        assert!(!mma_applies(&Shape { chunk_size: 512, ..few }), "head_msum takes chunks up to 256");
+        // 32 heads per group and 1 x 64 chunks x 2 groups units: the head sums; fewer of either, or
+        // another dstate or chunk size: the per-head partials.
+        let many = Shape { batch: 1, seqlen: 64 * 256 - 3, heads: 64, groups: 2, ..few };
+        assert!(mma_bwd_head_sums(&many));
+        for other in [
+            few,
+            Shape { groups: 4, ..many },
+            Shape { seqlen: 31 * 256, ..many },
+            Shape { dstate: 64, ..many },
+            Shape { chunk_size: 128, ..many },
+        ] {
+            assert!(!mma_bwd_head_sums(&other), "{other:?}");
+        }
+        for s in [few, many] {
+            let l = mma_bwd_layout(&s);
+            let (bh, n_chunks, state) = (s.batch * s.heads, (s.seqlen + 255) / 256, 64 * 128);
+            let (sums, parts) = if l.head_sums { (1, 0) } else { (0, 1) };
+            assert_eq!(l.head_sums, mma_bwd_head_sums(&s));
+            assert_eq!(l.chunk_state_bytes, sums * bh * n_chunks * state * 2);
+            assert_eq!(l.part_bytes, parts * s.batch * s.seqlen * s.heads * 128 * 2);
+            assert_eq!(l.msum_split, 2);
+            // With z, the forward's split records go where the path's two adjacent arrays are.
+            assert_eq!(l.ds_chunk, l.s_chunk + l.chunk_state_bytes);
+            assert!(l.dc_part >= l.db_part + l.part_bytes && l.dc_part < l.db_part + l.part_bytes + ALIGN);
+            let spans = [
+                (l.gated, s.batch * s.seqlen * s.heads * 64 * 2),
+                (l.s_chunk, l.chunk_state_bytes),
+                (l.ds_chunk, l.chunk_state_bytes),
+                (l.scal, sums * bh * n_chunks * 256 * 8),
+                (l.msum, sums * s.batch * n_chunks * s.groups * l.msum_split * 10 * 64 * 64 * 4),
+                (l.db_part, l.part_bytes),
+                (l.dc_part, l.part_bytes),
+                (l.scratch, l.n_parts * bh * 3 * state * 4),
+                (l.da_part, l.n_parts * bh * 4),
+                (l.dbias_part, l.n_parts * bh * 4),
+                (l.dd_part, l.n_parts * bh * 64 * 4),
+                (l.records, (l.n_parts - 1) * bh * (state + 1) * 4),
+            ];
+            for (i, &(at, len)) in spans.iter().enumerate() {
+                assert_eq!(at % ALIGN, 0);
+                assert!(at + len + ALIGN <= l.bytes, "array {i} ends past the workspace");
+                for &(other, other_len) in &spans[i + 1..] {
+                    assert!(
+                        len == 0 || other_len == 0 || at + len <= other || other + other_len <= at,
+                        "arrays overlap"
+                    );
+                }
             }
         }
+        // One head per group: one head range.
+        assert_eq!(mma_bwd_layout(&Shape { groups: 6, ..few }).msum_split, 1);
     }
 }
