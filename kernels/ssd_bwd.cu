@@ -16,8 +16,9 @@
 // (src/ops/ssd/plan.rs `mma_bwd_head_sums` picks per shape): per head into partials as large as B
 // and C times the group's heads, which reduce_bc sums (PARTIALS: few heads per group); or not formed
 // here at all: the main kernel stores each chunk's S and dS and the head-sum kernels below form dB
-// and dC summed over the group's heads, a chunk at a time. dA, ddt_bias and dD go to per-(batch,
-// head) partials; the reduce kernels sum in a fixed order (no atomics: bitwise-repeatable).
+// and dC summed over the group's heads, a chunk at a time (that path's dx, S and dS leave through
+// shared memory, copied out by warps 1-3 while warp 0 forms ddt). dA, ddt_bias and dD go to
+// per-(batch, head) partials; the reduce kernels sum in a fixed order (no atomics: bitwise-repeatable).
 #include "ssd_mma.cuh"
 
 namespace ssd_mma {
@@ -122,6 +123,36 @@ __device__ __forceinline__ void rows_times_state(float (&acc)[N / 8][4], uint32_
             ldsm_x4_trans(bb, state + ((16 * kk + bt_rows) * PN + 16 * q + bt_cols) * E);
             mma_pair<T>(acc[2 * q], acc[2 * q + 1], af, bb);
         }
+    }
+}
+
+// acc += sum over k-blocks pr >= warp of a[pr] tile[16 pr.., :] (k = step, t >= s): a the A fragments
+// of the warp's 16 rows per 16-step block, tile a (kQ x COLS) tile at shared address `tile`.
+template <typename T, int COLS, int PITCH>
+__device__ __forceinline__ void add_upper_times_tile(float (&acc)[COLS / 8][4], const uint32_t (&a)[kQ / 16][4], uint32_t tile,
+                                                     int warp, int bt_rows, int bt_cols) {
+    constexpr int E = sizeof(T);
+#pragma unroll
+    for (int pr = 0; pr < kQ / 16; ++pr) {
+        if (pr < warp) continue;
+#pragma unroll
+        for (int q = 0; q < COLS / 16; ++q) {
+            uint32_t bb[4];
+            ldsm_x4_trans(bb, tile + ((16 * pr + bt_rows) * PITCH + 16 * q + bt_cols) * E);
+            mma_pair<T>(acc[2 * q], acc[2 * q + 1], a[pr], bb);
+        }
+    }
+}
+
+// The first `rows` rows of a shared tile of COLS columns (pitch<COLS>()) to rows dst_pitch elements
+// apart at dst, in 16-byte pieces, by warps 1.. of the block.
+template <typename T, int COLS>
+__device__ __forceinline__ void copy_tile_out(T* dst, int64_t dst_pitch, const T* src, int rows) {
+    constexpr int kVec = 16 / sizeof(T), kRowVecs = COLS / kVec;
+    for (int i = threadIdx.x - 32; i < rows * kRowVecs; i += kThreads - 32) {
+        const int row = i / kRowVecs, v = i % kRowVecs;
+        *reinterpret_cast<uint4*>(dst + row * dst_pitch + v * kVec) =
+            *reinterpret_cast<const uint4*>(src + row * pitch<COLS>() + v * kVec);
     }
 }
 
@@ -339,18 +370,11 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
                 for (int n = 0; n < N / 8; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) sds = fmaf(ds[n][e], sv[n][e], sds);
-                // The chunk's S (entering, at its first tile) and dS (leaving, at its last) for bc_sums.
-                T* s_out = static_cast<T*>(a.s_chunk) + (bh * n_chunks + chunk) * state_elems;
-                T* ds_out = static_cast<T*>(a.ds_chunk) + (bh * n_chunks + chunk) * state_elems;
                 for_state_pairs<N>(sv, [&](float* acc, int row, int col) {
-                    const T2 v = O::pack2(acc[0], acc[1]);
-                    *reinterpret_cast<T2*>(&sm.s[row * PN + col]) = v;
-                    if (!PARTIALS && j == 0) *reinterpret_cast<T2*>(&s_out[row * N + col]) = v;
+                    *reinterpret_cast<T2*>(&sm.s[row * PN + col]) = O::pack2(acc[0], acc[1]);
                 });
                 for_state_pairs<N>(ds, [&](float* acc, int row, int col) {
-                    const T2 v = O::pack2(acc[0], acc[1]);
-                    *reinterpret_cast<T2*>(&sm.ds[row * PN + col]) = v;
-                    if (!PARTIALS && j == tiles - 1) *reinterpret_cast<T2*>(&ds_out[row * N + col]) = v;
+                    *reinterpret_cast<T2*>(&sm.ds[row * PN + col]) = O::pack2(acc[0], acc[1]);
                 });
             }
 #pragma unroll
@@ -453,19 +477,11 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
                     to_a_frag<T>(a1[pr], p1[2 * pr], p1[2 * pr + 1]);
                     if (PARTIALS) to_a_frag<T>(a2[pr], g2[2 * pr], g2[2 * pr + 1]);
                 }
-                // dx += a1 dy (k = t).
-#pragma unroll
-                for (int pr = 0; pr < kQ / 16; ++pr) {
-                    if (pr < warp) continue;
-#pragma unroll
-                    for (int q = 0; q < kP / 16; ++q) {
-                        uint32_t bb[4];
-                        ldsm_x4_trans(bb, dys + ((16 * pr + bt_rows) * PX + 16 * q + bt_cols) * E);
-                        mma_pair<T>(dx[2 * q], dx[2 * q + 1], a1[pr], bb);
-                    }
-                }
-                // dx += D dy; dD partials; store.
+                add_upper_times_tile<T, kP, PX>(dx, a1, dys, warp, bt_rows, bt_cols);  // dx += a1 dy (k = t)
+                // dx += D dy; dD partials; store (the head sums: over this thread's x in shared memory,
+                // which nothing reads after this, for warps 1.. to copy out with the chunk states).
                 T* dx_out = static_cast<T*>(a.q.dx);
+                if constexpr (!PARTIALS) __syncwarp();  // the warp's ldmatrix reads of its x rows first
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int row = half ? r_hi : r_lo;
@@ -477,25 +493,18 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
                         const float2 xv = O::unpack2(*reinterpret_cast<const T2*>(&sm.x[row * PX + col]));
                         dd_acc[jn][0] += dyv.x * xv.x;
                         dd_acc[jn][1] += dyv.y * xv.y;
-                        if (t < p.seqlen) {
-                            *reinterpret_cast<T2*>(dx_out + ((b * p.seqlen + t) * p.heads + h) * kP + col) =
-                                O::pack2(dx[jn][2 * half] + dskip[jn][0] * dyv.x, dx[jn][2 * half + 1] + dskip[jn][1] * dyv.y);
-                        }
+                        const T2 dxv =
+                            O::pack2(dx[jn][2 * half] + dskip[jn][0] * dyv.x, dx[jn][2 * half + 1] + dskip[jn][1] * dyv.y);
+                        if constexpr (!PARTIALS)
+                            *reinterpret_cast<T2*>(&sm.x[row * PX + col]) = dxv;
+                        else if (t < p.seqlen)
+                            *reinterpret_cast<T2*>(dx_out + ((b * p.seqlen + t) * p.heads + h) * kP + col) = dxv;
                     }
                 }
                 if constexpr (PARTIALS) {  // this head's dB = w_s x_s^T dS + a2 C
                     float db[N / 8][4] = {};
                     rows_times_state<T, N>(db, xs, w_lo, w_hi, dss);
-#pragma unroll
-                    for (int pr = 0; pr < kQ / 16; ++pr) {
-                        if (pr < warp) continue;
-#pragma unroll
-                        for (int q = 0; q < N / 16; ++q) {
-                            uint32_t bb[4];
-                            ldsm_x4_trans(bb, cs + ((16 * pr + bt_rows) * PN + 16 * q + bt_cols) * E);
-                            mma_pair<T>(db[2 * q], db[2 * q + 1], a2[pr], bb);
-                        }
-                    }
+                    add_upper_times_tile<T, N, PN>(db, a2, cs, warp, bt_rows, bt_cols);
                     store_partial(db, a.db_part, t0);
                 }
             }
@@ -607,6 +616,16 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
                     ddt_out[idx] = from_f32<T>(graw);
                     dbias_acc += graw;
                 }
+            } else if constexpr (!PARTIALS) {
+                // Meanwhile the other warps store the tile's dx and, for bc_sums, the chunk's S
+                // (entering, at its first tile) and dS (leaving, at its last) from shared memory, in
+                // 16-byte pieces. (Stored from the registers, in 4-byte pieces, in the middle of the
+                // products, they cost the main kernel ~135 us at the main shape.)
+                copy_tile_out<T, kP>(static_cast<T*>(a.q.dx) + ((b * p.seqlen + t0) * p.heads + h) * kP, p.heads * kP, sm.x,
+                                     int(min(int64_t(kQ), p.seqlen - t0)));
+                if (j == 0) copy_tile_out<T, N>(static_cast<T*>(a.s_chunk) + (bh * n_chunks + chunk) * state_elems, N, sm.s, kP);
+                if (j == tiles - 1)
+                    copy_tile_out<T, N>(static_cast<T*>(a.ds_chunk) + (bh * n_chunks + chunk) * state_elems, N, sm.ds, kP);
             }
             __syncthreads();  // before the next tile's loads overwrite shared memory
         }
