@@ -236,6 +236,24 @@ int main(int argc, char** argv) {
         CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         CK(cudaFuncSetAttribute(kl, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         if ((stages & 1) && B * H > 0 && a.n_parts > 1) kl<<<dim3(unsigned(B * H), unsigned(a.n_parts - 1)), ssd_mma::kThreads, smem>>>(a);
+        const unsigned units = unsigned(B * NC * G);
+        // As the library launches them (SSD_BWD_PDL=0: all the ordinary way): on the head-sum path
+        // chunk_scalars before the main kernel, it and head_msum launched programmatically.
+        const bool use_pdl = !getenv("SSD_BWD_PDL") || atoi(getenv("SSD_BWD_PDL"));
+        auto launch_pdl = [&](auto kernel, dim3 grid, unsigned block, int smem_bytes, bool pdl_ok = true) {
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = grid;
+            cfg.blockDim = dim3(block);
+            cfg.dynamicSmemBytes = size_t(smem_bytes);
+            cudaLaunchAttribute pdl[1];
+            pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            pdl[0].val.programmaticStreamSerializationAllowed = 1;
+            cfg.attrs = pdl;
+            cfg.numAttrs = use_pdl && pdl_ok ? 1 : 0;
+            CK(cudaLaunchKernelEx(&cfg, kernel, a));
+        };
+        if (!partials && (stages & 2) && B * H * NC > 0)
+            launch_pdl(g_bf16 ? ssd_bwd_chunk_scalars_bf16 : ssd_bwd_chunk_scalars_f16, dim3(unsigned((B * H * NC + 7) / 8)), 256, 0);
         if ((stages & 1) && B * H > 0) k<<<dim3(unsigned(B * H), unsigned(a.n_parts)), ssd_mma::kThreads, smem>>>(a);
         if (!(stages & 2)) return;
         if (partials) {
@@ -243,19 +261,18 @@ int main(int argc, char** argv) {
             const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>((items + 255) / 256, 4096)));
             (g_bf16 ? ssd_bwd_reduce_bc_bf16 : ssd_bwd_reduce_bc_f16)<<<blocks, 256>>>(a);
         } else if (B * H * NC > 0) {
-            const unsigned units = unsigned(B * NC * G);
-            (g_bf16 ? ssd_bwd_chunk_scalars_bf16 : ssd_bwd_chunk_scalars_f16)<<<unsigned((B * H * NC + 3) / 4), 128>>>(a);
             auto msum = g_bf16 ? ssd_bwd_head_msum_bf16 : ssd_bwd_head_msum_f16;
             const int msum_smem = int(2 * ssd_mma::MsumStage(chunk).bytes);
             CK(cudaFuncSetAttribute(msum, cudaFuncAttributeMaxDynamicSharedMemorySize, msum_smem));
-            msum<<<unsigned(units * a.msum_split), 32 * ssd_mma::kMsumWarps, msum_smem>>>(a);
+            // (Only right after the main kernel: it reads chunk_scalars' output.)
+            launch_pdl(msum, dim3(unsigned(units * a.msum_split)), 32 * ssd_mma::kMsumWarps, msum_smem, stages & 1);
             const int bc_smem = int(ssd_mma::kBcStages * (N == 64 ? ssd_mma::BcStage<bf16, 64>(chunk).bytes : ssd_mma::BcStage<bf16, 128>(chunk).bytes));
             auto bc = g_bf16 ? (N == 64 ? ssd_bwd_bc_sums_bf16_n64 : ssd_bwd_bc_sums_bf16_n128)
                              : (N == 64 ? ssd_bwd_bc_sums_f16_n64 : ssd_bwd_bc_sums_f16_n128);
             CK(cudaFuncSetAttribute(bc, cudaFuncAttributeMaxDynamicSharedMemorySize, bc_smem));
-            bc<<<dim3(units, 2), unsigned(2 * chunk), bc_smem>>>(a);
+            launch_pdl(bc, dim3(units, 2), unsigned(2 * chunk), bc_smem);
         }
-        ssd_bwd_reduce_params<<<unsigned((H * 64 + 127) / 128), 128>>>(a);
+        launch_pdl(ssd_bwd_reduce_params, dim3(unsigned(H)), 64, 0);
         CK(cudaGetLastError());
     };
     launch();

@@ -174,6 +174,8 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
     const int64_t chunk_begin = part * a.chunks_per_part, chunk_end = min(chunk_begin + a.chunks_per_part, n_chunks);
     float* records = a.records;
     float* record_decay = records + (a.n_parts - 1) * bhs * state_elems;
+    // head_msum does not read what this kernel writes: it may take SMs as this grid's last blocks drain.
+    if (!LOCAL && !PARTIALS) pdl_launch_dependents();
 
     // Per-lane ldmatrix offsets (elements), as in the forward.
     const int a_rows = lane & 15, a_cols = (lane >> 4) * 8;
@@ -683,34 +685,40 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
 // the heads, every 64 x 64 tile pair I >= J of the chunk; bc_sums then forms the chunk's dC or dB.
 // Every sum runs in a fixed order: bitwise-repeatable.
 
-// One warp per (batch * heads, chunk).
+// One warp per (batch, chunk, head), heads fastest: a block's warps take neighbouring heads of one
+// chunk, whose dt loads (strided by heads) then share their sectors in L1 (13 -> 10 us at the main
+// shape). It reads only dt, so it is launched programmatically after whatever precedes it (the
+// forward, in a training step's vjp) and overlaps that kernel's last blocks; the kernels after it
+// read that kernel's results, so it does not finish before that kernel has.
 template <typename T> __device__ __forceinline__ void chunk_scalars(const SsdBwdMmaParams& a) {
     const SsdParams& p = a.q.fwd;
     const int lane = threadIdx.x & 31;
     const int64_t n_chunks = ssd_chunk_count(p);
     const int64_t item = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
-    if (item >= p.batch * p.heads * n_chunks) return;
-    const int64_t bh = item / n_chunks, chunk = item % n_chunks, b = bh / p.heads, h = bh % p.heads;
-    const float a_log2 = p.A[h] * kLog2e;
-    float2* out = a.scal + item * p.chunk_size;
-    float carry = 0.f;
-    for (int i0 = 0; i0 < p.chunk_size; i0 += kQ) {
-        const int64_t t0 = chunk * p.chunk_size + i0;
-        float raw[2], dt[2];
-        load_dt<T>(p, b, h, t0, raw);
+    if (item < p.batch * p.heads * n_chunks) {
+        const int64_t h = item % p.heads, chunk = item / p.heads % n_chunks, b = item / (p.heads * n_chunks);
+        const float a_log2 = p.A[h] * kLog2e;
+        float2* out = a.scal + ((b * p.heads + h) * n_chunks + chunk) * p.chunk_size;
+        float carry = 0.f;
+        for (int i0 = 0; i0 < p.chunk_size; i0 += kQ) {
+            const int64_t t0 = chunk * p.chunk_size + i0;
+            float raw[2], dt[2];
+            load_dt<T>(p, b, h, t0, raw);
 #pragma unroll
-        for (int e = 0; e < 2; ++e) dt[e] = t0 + 2 * lane + e < p.seqlen ? ssd_dt(p, raw[e], h) : 0.f;
-        const float a1 = dt[1] * a_log2;
-        float run = dt[0] * a_log2 + a1;
+            for (int e = 0; e < 2; ++e) dt[e] = t0 + 2 * lane + e < p.seqlen ? ssd_dt(p, raw[e], h) : 0.f;
+            const float a1 = dt[1] * a_log2;
+            float run = dt[0] * a_log2 + a1;
 #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const float other = __shfl_up_sync(0xffffffffu, run, o);
-            if (lane >= o) run += other;
+            for (int o = 1; o < 32; o <<= 1) {
+                const float other = __shfl_up_sync(0xffffffffu, run, o);
+                if (lane >= o) run += other;
+            }
+            const float c1 = carry + run;
+            reinterpret_cast<float4*>(out + i0)[lane] = make_float4(c1 - a1, dt[0], c1, dt[1]);
+            carry += __shfl_sync(0xffffffffu, run, 31);
         }
-        const float c1 = carry + run;
-        reinterpret_cast<float4*>(out + i0)[lane] = make_float4(c1 - a1, dt[0], c1, dt[1]);
-        carry += __shfl_sync(0xffffffffu, run, 31);
     }
+    pdl_wait_prerequisite();
 }
 
 // Tile pair k of a chunk: rows I, columns J <= I, k = I (I + 1) / 2 + J.
@@ -752,6 +760,7 @@ constexpr int kMsumTasks = 5;
 // 171 -> 226 us at the main shape.)
 template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaParams& a) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
+    pdl_launch_dependents();  // bc_sums waits for this grid before it starts
     constexpr int PX = pitch<kP>(), E = sizeof(T);
     const SsdParams& p = a.q.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
@@ -862,6 +871,9 @@ template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaP
             *reinterpret_cast<float2*>(&out[(r_lo + 8) * kQ + col]) = make_float2(m[u][nt][2], m[u][nt][3]);
         }
     }
+    // Launched programmatically after the main kernel, this grid must not finish before it: bc_sums,
+    // launched after this one the ordinary way, reads the main kernel's S and dS.
+    pdl_wait_prerequisite();
 }
 
 // bc_sums' shared memory, per pipeline stage: the chunk's rows (dy or x) of a head, its state tile
@@ -882,6 +894,10 @@ template <typename T, int N> struct BcStage {
 // so that each head's S or dS tile is read once.
 template <typename T, int N> __device__ __forceinline__ void bc_sums(const SsdBwdMmaParams& a) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
+    // Launched programmatically after head_msum (which finishes after the main kernel): wait for it,
+    // and let reduce_params launch (it waits for this grid in turn).
+    pdl_wait_prerequisite();
+    pdl_launch_dependents();
     using O = Ops<T>;
     using T2 = typename O::T2;
     constexpr int PX = pitch<kP>(), PN = pitch<N>(), E = sizeof(T);
@@ -1043,32 +1059,37 @@ template <typename T> __device__ __forceinline__ void reduce_bc(const SsdBwdMmaP
     }
 }
 
+// A block of kP threads per head; thread `col` sums column col of dD over the (part, batch) rows and
+// every kP-th row of dA and ddt_bias; block_sum then adds the threads' sums, always in one order.
+__device__ __forceinline__ float block_sum_kp(float v, float* partial) {
+    static_assert(kP == 64, "two warps");
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = v;
+    __syncthreads();
+    return partial[0] + partial[1];
+}
 __device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
+    __shared__ float partial[3][2];
+    pdl_wait_prerequisite();  // launched programmatically after bc_sums or reduce_bc
     const SsdParams& p = a.q.fwd;
-    const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;  // (head, p)
-    if (i >= p.heads * kP) return;
-    const int64_t h = i / kP, col = i % kP;
-    const int64_t rows = a.n_parts * p.batch;  // (part, batch) pairs
-    if (a.q.dD && (p.D_per_channel || col == 0)) {
-        float s = 0.f;
-        for (int64_t r = 0; r < rows; ++r) {
-            if (p.D_per_channel) {
-                s += a.dd_part[(r * p.heads + h) * kP + col];
-            } else {
-                for (int c = 0; c < kP; ++c) s += a.dd_part[(r * p.heads + h) * kP + c];
-            }
-        }
-        a.q.dD[p.D_per_channel ? i : h] = s;
+    const int64_t h = blockIdx.x, col = threadIdx.x, rows = a.n_parts * p.batch;  // (part, batch) pairs
+    float dd = 0.f, da = 0.f, dbias = 0.f;
+    if (a.q.dD) {
+#pragma unroll 8
+        for (int64_t r = 0; r < rows; ++r) dd += a.dd_part[(r * p.heads + h) * kP + col];
+        if (p.D_per_channel) a.q.dD[h * kP + col] = dd;
     }
-    if (col == 0) {
-        float da = 0.f, dbias = 0.f;
-        for (int64_t r = 0; r < rows; ++r) {
-            da += a.da_part[r * p.heads + h];
-            dbias += a.dbias_part[r * p.heads + h];
-        }
-        a.q.dA[h] = da;
-        if (a.q.ddt_bias) a.q.ddt_bias[h] = dbias;
+    for (int64_t r = col; r < rows; r += kP) {
+        da += a.da_part[r * p.heads + h];
+        dbias += a.dbias_part[r * p.heads + h];
     }
+    const float dd_all = block_sum_kp(dd, partial[0]), da_all = block_sum_kp(da, partial[1]);
+    const float dbias_all = block_sum_kp(dbias, partial[2]);
+    if (col != 0) return;
+    if (a.q.dD && !p.D_per_channel) a.q.dD[h] = dd_all;
+    a.q.dA[h] = da_all;
+    if (a.q.ddt_bias) a.q.ddt_bias[h] = dbias_all;
 }
 
 }  // namespace ssd_mma
@@ -1079,7 +1100,7 @@ __device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
 // ssd_bwd_chunk_scalars_<T> (a warp per (batch, head, chunk)), ssd_bwd_head_msum_<T> (grid
 // batch * n_chunks * groups * msum_split, 32 kMsumWarps threads, 2 MsumStage(chunk_size).bytes),
 // ssd_bwd_bc_sums_<T>_n<N> (grid (batch * n_chunks * groups, 2), 2 chunk_size threads,
-// kBcStages BcStage(chunk_size).bytes), ssd_bwd_reduce_params (a thread per (head, p));
+// kBcStages BcStage(chunk_size).bytes), ssd_bwd_reduce_params (a block of kP threads per head);
 // ssd_bwd_gate_grad_<T> (grid-stride over element pairs; before the main kernel, with z).
 #define SSD_BWD_MMA(T, N)                                                                          \
     extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                             \
@@ -1124,4 +1145,7 @@ SSD_BWD_BC_SUMS(f16, 128)
     }
 SSD_BWD_PER_TYPE(bf16)
 SSD_BWD_PER_TYPE(f16)
-extern "C" __global__ void ssd_bwd_reduce_params(const ssd_mma::SsdBwdMmaParams a) { ssd_mma::reduce_params(a); }
+extern "C" __global__ void __launch_bounds__(ssd_mma::kP)
+    ssd_bwd_reduce_params(const ssd_mma::SsdBwdMmaParams a) {
+    ssd_mma::reduce_params(a);
+}

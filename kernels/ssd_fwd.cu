@@ -41,6 +41,7 @@ struct SsdMmaParams {
 // sizeof(SyncSmem<T, N>) bytes of dynamic shared memory (the larger of the two kernels' needs).
 #define SSD_FWD_MMA_KERNEL(T, N, NAME, LOCAL, GATED)                                                  \
     extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2) NAME(const SsdMmaParams a) {   \
+        pdl_launch_dependents(); /* the backward's chunk_scalars reads none of this kernel's output */ \
         ssd_mma::ssd_fwd<T, N, LOCAL, GATED>(a.p, a.tiles_per_part, int(a.n_parts));                  \
     }
 #define SSD_FWD_MMA(T, N)                                                                             \

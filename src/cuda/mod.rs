@@ -161,6 +161,17 @@ fn function(ctx: sys::CUcontext, module: &'static str, kernel: &str, shared_byte
     Ok(f)
 }
 
+/// The compute capability's major number of the current context's device.
+fn compute_major() -> Result<i32> {
+    let mut device: sys::CUdevice = 0;
+    let mut major = 0;
+    // SAFETY: plain queries in the current context.
+    check(unsafe { sys::cuCtxGetDevice(&mut device) }, "cuCtxGetDevice")?;
+    let which = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR;
+    check(unsafe { sys::cuDeviceGetAttribute(&mut major, which, device) }, "cuDeviceGetAttribute")?;
+    Ok(major)
+}
+
 /// Shared memory of one multiprocessor of the stream's device, and what the driver reserves of it
 /// per resident block (bytes): what decides how many blocks of a kernel an SM holds.
 pub fn sm_shared_memory(stream: *mut c_void) -> Result<(u32, u32)> {
@@ -198,6 +209,30 @@ pub fn launch<P>(
     config: LaunchConfig,
     params: &P,
 ) -> Result<()> {
+    launch_ex(stream, module, kernel, config, params, Start::AfterPrevious)
+}
+
+/// When a kernel may start, relative to the one ahead of it on the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// Once that one has finished (stream order).
+    AfterPrevious,
+    /// On sm_90 and newer, once every block of that one has run `pdl_launch_dependents`
+    /// (kernels/common.cuh; programmatic dependent launch). The kernel must run
+    /// `pdl_wait_prerequisite` before it reads anything that one writes, and before it finishes
+    /// where later work does. On older GPUs, as `AfterPrevious`.
+    Overlapping,
+}
+
+/// [`launch`], with the kernel's [`Start`].
+pub fn launch_ex<P>(
+    stream: *mut c_void,
+    module: &'static str,
+    kernel: &str,
+    config: LaunchConfig,
+    params: &P,
+    start: Start,
+) -> Result<()> {
     let LaunchConfig { grid, block, shared_bytes } = config;
     if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
         return Ok(());
@@ -211,6 +246,30 @@ pub fn launch<P>(
     let _current = ContextGuard::push(ctx)?;
     let f = function(ctx, module, kernel, shared_bytes)?;
     let mut args = [params as *const P as *mut c_void];
+    if start == Start::Overlapping && compute_major()? >= 9 {
+        let mut attribute = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+        };
+        let launch_config = sys::CUlaunchConfig {
+            gridDimX: grid.0 as u32,
+            gridDimY: grid.1 as u32,
+            gridDimZ: grid.2 as u32,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared_bytes,
+            hStream: stream,
+            attrs: &mut attribute,
+            numAttrs: 1,
+        };
+        // SAFETY: as below; the attribute outlives the call.
+        return check(
+            unsafe { sys::cuLaunchKernelEx(&launch_config, f, args.as_mut_ptr(), std::ptr::null_mut()) },
+            &format!("launching {kernel}"),
+        );
+    }
     // SAFETY: `P` is the kernel's #[repr(C)] parameter struct, which the kernel reads by value.
     check(
         unsafe {

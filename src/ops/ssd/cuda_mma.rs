@@ -8,7 +8,7 @@
 
 use super::plan::{self, Shape, MMA_TILE};
 use super::{Present, Ssd, SsdBwd, SsdBwdParams, SsdParams};
-use crate::cuda::{launch, LaunchConfig};
+use crate::cuda::{launch, launch_ex, LaunchConfig, Start};
 use crate::error::Result;
 use std::ffi::c_void;
 
@@ -205,29 +205,34 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
         launch(stream, BWD_MODULE, &format!("ssd_bwd_reduce_bc_{name}"), reduce_bc, &args)?;
         return reduce_params(p, &args, stream);
     }
-    launch(stream, BWD_MODULE, &format!("ssd_bwd_mma_{types}"), blocks(p, layout.n_parts, smem), &args)?;
-    // dB, dC: each step's {cum, dt} (a warp per (batch, head, chunk)), M summed over head ranges (a
-    // block per (batch, chunk, group) and range), then a block per (batch, chunk, group) for each.
+    // dB, dC: each step's {cum, dt} (a warp per (batch, chunk, head)); after the main kernel, M summed
+    // over head ranges (a block per (batch, chunk, group) and range); then a block per (batch, chunk,
+    // group) for each of dB and dC. The scalars and M read nothing the kernel just ahead of them writes
+    // (the forward or the main kernel): they may start as that kernel's last blocks drain (each waits
+    // for it before finishing). bc_sums and reduce_params wait before they start, but their launch
+    // overlaps the kernel ahead (kernels/ssd_bwd.cu).
     let n_chunks = (p.seqlen + p.chunk_size - 1) / p.chunk_size;
     let units = (p.batch * n_chunks * p.groups) as u64;
     let scalars = flat(p.batch * p.heads * n_chunks * 32, u64::MAX);
-    launch(stream, BWD_MODULE, &format!("ssd_bwd_chunk_scalars_{name}"), scalars, &args)?;
+    launch_ex(stream, BWD_MODULE, &format!("ssd_bwd_chunk_scalars_{name}"), scalars, &args, Start::Overlapping)?;
+    launch(stream, BWD_MODULE, &format!("ssd_bwd_mma_{types}"), blocks(p, layout.n_parts, smem), &args)?;
     let msum = LaunchConfig {
         grid: (units * layout.msum_split as u64, 1, 1),
         block: MSUM_THREADS,
         shared_bytes: msum_shared_bytes(p.chunk_size),
     };
-    launch(stream, BWD_MODULE, &format!("ssd_bwd_head_msum_{name}"), msum, &args)?;
+    launch_ex(stream, BWD_MODULE, &format!("ssd_bwd_head_msum_{name}"), msum, &args, Start::Overlapping)?;
     let bc = LaunchConfig {
         grid: (units, 2, 1),
         block: (2 * p.chunk_size) as u32,
         shared_bytes: bc_shared_bytes(p.chunk_size, p.dstate),
     };
-    launch(stream, BWD_MODULE, &format!("ssd_bwd_bc_sums_{types}"), bc, &args)?;
+    launch_ex(stream, BWD_MODULE, &format!("ssd_bwd_bc_sums_{types}"), bc, &args, Start::Overlapping)?;
     reduce_params(p, &args, stream)
 }
 
-/// dA, dD, ddt_bias from their per-(part, batch) partials: a thread per (head, p).
+/// dA, dD, ddt_bias from their per-(part, batch) partials: a block of headdim threads per head.
 fn reduce_params(p: &SsdParams, args: &BwdMmaParams, stream: *mut c_void) -> Result<()> {
-    launch(stream, BWD_MODULE, "ssd_bwd_reduce_params", flat(p.heads * p.headdim, u64::MAX), args)
+    let config = LaunchConfig { grid: (p.heads as u64, 1, 1), block: p.headdim as u32, shared_bytes: 0 };
+    launch_ex(stream, BWD_MODULE, "ssd_bwd_reduce_params", config, args, Start::Overlapping)
 }
