@@ -238,7 +238,8 @@ int main(int argc, char** argv) {
         if ((stages & 1) && B * H > 0 && a.n_parts > 1) kl<<<dim3(unsigned(B * H), unsigned(a.n_parts - 1)), ssd_mma::kThreads, smem>>>(a);
         const unsigned units = unsigned(B * NC * G);
         // As the library launches them (SSD_BWD_PDL=0: all the ordinary way): on the head-sum path
-        // chunk_scalars before the main kernel, it and head_msum launched programmatically.
+        // chunk_scalars before the main kernel; it and the kernels after the main one launched
+        // programmatically (src/cuda/mod.rs, Start::Overlapping).
         const bool use_pdl = !getenv("SSD_BWD_PDL") || atoi(getenv("SSD_BWD_PDL"));
         auto launch_pdl = [&](auto kernel, dim3 grid, unsigned block, int smem_bytes, bool pdl_ok = true) {
             cudaLaunchConfig_t cfg = {};

@@ -67,8 +67,6 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid
 }
 // Waits for every cp.async this thread issued (its own copies are then visible to it).
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-// Pulls the 128-byte line holding p into L2 (no register result: nothing waits on it). For loads a
-// block issues only when it needs them (single-buffered tiles), one tile ahead.
 // Programmatic dependent launch (sm_90+; elsewhere no-ops): the kernel launched after this one with
 // the programmatic-serialization attribute may start once every block of this one has signalled...
 __device__ __forceinline__ void pdl_launch_dependents() {
@@ -82,6 +80,8 @@ __device__ __forceinline__ void pdl_wait_prerequisite() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// Pulls the 128-byte line holding p into L2 (no register result: nothing waits on it). For loads a
+// block issues only when it needs them (single-buffered tiles), one tile ahead.
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 __device__ __forceinline__ float ex2_ftz(float x) {
     float y;

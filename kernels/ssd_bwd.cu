@@ -871,8 +871,8 @@ template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaP
             *reinterpret_cast<float2*>(&out[(r_lo + 8) * kQ + col]) = make_float2(m[u][nt][2], m[u][nt][3]);
         }
     }
-    // Launched programmatically after the main kernel, this grid must not finish before it: bc_sums,
-    // launched after this one the ordinary way, reads the main kernel's S and dS.
+    // Launched programmatically after the main kernel, this grid must not finish before it: bc_sums
+    // waits for this grid only, and reads the main kernel's S and dS.
     pdl_wait_prerequisite();
 }
 
@@ -1059,8 +1059,7 @@ template <typename T> __device__ __forceinline__ void reduce_bc(const SsdBwdMmaP
     }
 }
 
-// A block of kP threads per head; thread `col` sums column col of dD over the (part, batch) rows and
-// every kP-th row of dA and ddt_bias; block_sum then adds the threads' sums, always in one order.
+// The sum of v over a block of kP threads, in a fixed order (`partial`: two floats of shared memory).
 __device__ __forceinline__ float block_sum_kp(float v, float* partial) {
     static_assert(kP == 64, "two warps");
 #pragma unroll
@@ -1069,6 +1068,8 @@ __device__ __forceinline__ float block_sum_kp(float v, float* partial) {
     __syncthreads();
     return partial[0] + partial[1];
 }
+// A block of kP threads per head: thread `col` sums column col of dD over the (part, batch) rows, and
+// every kP-th row of dA and ddt_bias; block_sum_kp adds the threads' sums.
 __device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
     __shared__ float partial[3][2];
     pdl_wait_prerequisite();  // launched programmatically after bc_sums or reduce_bc
@@ -1096,8 +1097,8 @@ __device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
 
 // extern "C" entry points: ssd_bwd_mma[_local|_partials]_<T>_n<N> (grid (batch * heads, n_parts
 // [- 1]), kThreads threads, sizeof(BwdSmem<T, N>) bytes of dynamic shared memory); after _partials
-// ssd_bwd_reduce_bc_<T> (grid-stride over (batch, seqlen, groups, dstate / 8)); else after it
-// ssd_bwd_chunk_scalars_<T> (a warp per (batch, head, chunk)), ssd_bwd_head_msum_<T> (grid
+// ssd_bwd_reduce_bc_<T> (grid-stride over (batch, seqlen, groups, dstate / 8)); else before it
+// ssd_bwd_chunk_scalars_<T> (a warp per (batch, chunk, head)) and after it ssd_bwd_head_msum_<T> (grid
 // batch * n_chunks * groups * msum_split, 32 kMsumWarps threads, 2 MsumStage(chunk_size).bytes),
 // ssd_bwd_bc_sums_<T>_n<N> (grid (batch * n_chunks * groups, 2), 2 chunk_size threads,
 // kBcStages BcStage(chunk_size).bytes), ssd_bwd_reduce_params (a block of kP threads per head);
