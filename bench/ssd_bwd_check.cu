@@ -263,7 +263,7 @@ int main(int argc, char** argv) {
             (g_bf16 ? ssd_bwd_reduce_bc_bf16 : ssd_bwd_reduce_bc_f16)<<<blocks, 256>>>(a);
         } else if (B * H * NC > 0) {
             auto msum = g_bf16 ? ssd_bwd_head_msum_bf16 : ssd_bwd_head_msum_f16;
-            const int msum_smem = int(2 * ssd_mma::MsumStage(chunk).bytes);
+            const int msum_smem = int(ssd_mma::msum_shared_bytes(chunk));
             CK(cudaFuncSetAttribute(msum, cudaFuncAttributeMaxDynamicSharedMemorySize, msum_smem));
             // (Only right after the main kernel: it reads chunk_scalars' output.)
             launch_pdl(msum, dim3(unsigned(units * a.msum_split)), 32 * ssd_mma::kMsumWarps, msum_smem, stages & 1);

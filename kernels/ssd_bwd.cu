@@ -83,6 +83,26 @@ template <typename T> __device__ __forceinline__ void scale_a_rows(uint32_t a[4]
         a[r] = pack_u32<T>(v.x * f, v.y * f);
     }
 }
+// The same in T arithmetic (one rounding per element: the factors are <= 1).
+template <typename T> __device__ __forceinline__ void scale_a_rows_t2(uint32_t a[4], float lo, float hi) {
+    using T2 = typename Ops<T>::T2;
+    const T2 f[2] = {Ops<T>::pack2(lo, lo), Ops<T>::pack2(hi, hi)};
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const T2 v = __hmul2(*reinterpret_cast<const T2*>(&a[r]), f[r & 1]);
+        a[r] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+}
+// dst[0..8) = src[0..8) * f in T arithmetic (16-byte shared accesses).
+template <typename T> __device__ __forceinline__ void scale8(T* dst, const T* src, float f) {
+    using T2 = typename Ops<T>::T2;
+    uint4 v = *reinterpret_cast<const uint4*>(src);
+    T2* e = reinterpret_cast<T2*>(&v);
+    const T2 f2 = Ops<T>::pack2(f, f);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) e[i] = __hmul2(e[i], f2);
+    *reinterpret_cast<uint4*>(dst) = v;
+}
 __device__ __forceinline__ float quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
@@ -721,11 +741,12 @@ template <typename T> __device__ __forceinline__ void chunk_scalars(const SsdBwd
     pdl_wait_prerequisite();
 }
 
-// Tile pair k of a chunk: rows I, columns J <= I, k = I (I + 1) / 2 + J.
-__device__ __forceinline__ int2 tile_pair(int k) {
-    int i = 0;
-    while ((i + 1) * (i + 2) / 2 <= k) ++i;
-    return make_int2(i, k - i * (i + 1) / 2);
+// Off-diagonal tile pair q of a chunk: rows I, columns J < I, q = I (I - 1) / 2 + J. (M's tiles are
+// stored by pair k = I (I + 1) / 2 + J, the diagonal included.)
+__device__ __forceinline__ int2 off_diagonal_pair(int q) {
+    int i = 1;
+    while ((i + 1) * i / 2 <= q) ++i;
+    return make_int2(i, q - i * (i - 1) / 2);
 }
 
 // A knob for the standalone harness (bench/ssd_bwd_check.cu); the library's launcher mirrors the
@@ -737,27 +758,30 @@ constexpr int kBcStages = SSD_BC_STAGES;
 // head_msum sums a group's heads in at most this many ranges (plan.rs MSUM_MAX_SPLIT; bc_sums adds them).
 constexpr int kMsumMaxSplit = 2;
 
-// head_msum's shared memory, per pipeline stage: a head's dy and x over the chunk, and {cum, dt}.
+// head_msum's shared memory: per pipeline stage a head's dy and x over the chunk and its {cum, dt};
+// then, shared by the stages, x's rows but the last tile's scaled for the off-diagonal tiles.
 struct MsumStage {
-    int64_t dy, x, sc, tab, bytes;
+    int64_t dy, x, sc, bytes;
     __device__ __host__ explicit MsumStage(int64_t chunk) {
         dy = 0;
         x = dy + chunk * pitch<kP>() * 2;  // 2-byte elements
         sc = x + chunk * pitch<kP>() * 2;
-        tab = sc + chunk * 8;                    // rowf[chunk], then colf[tiles - 1][chunk]
-        bytes = tab + chunk * (chunk / kQ) * 4;
+        bytes = sc + chunk * 8;
     }
 };
+// The whole: two stages, then the scaled x (mirror of msum_shared_bytes in src/ops/ssd/cuda_mma.rs).
+__device__ __host__ inline int64_t msum_shared_bytes(int64_t chunk) {
+    return 2 * MsumStage(chunk).bytes + (chunk - kQ) * pitch<kP>() * 2;
+}
 constexpr int kMsumWarps = 8;
 // Tasks (16 rows x 64 columns of one tile pair) per warp at chunk_size 256: 10 pairs x 4 / 8 warps.
 constexpr int kMsumTasks = 5;
 
 // Grid (batch * n_chunks * groups) x msum_split, kMsumWarps warps: each block reads its range of a
-// group's heads' x and dy over the whole chunk once and forms every tile pair; task u of warp w is
-// w + kMsumWarps u: pair task / 4, rows 16 (task % 4).. . Off the diagonal tiles (J < I) the decay
-// splits at the row tile's first step I0 (both factors <= 1): 2^(cum_t - cum_s) dt_s = rowf_t colf_I,s,
-// from a per-head table. (Skipping the diagonal tiles' all-masked column blocks made it slower:
-// 171 -> 226 us at the main shape.)
+// group's heads' x and dy over the chunk once and forms every tile pair, the diagonal pairs' tasks
+// (16 rows x 64 columns) first. Off the diagonal the decay is split between the operands (below).
+// (Skipping the diagonal tiles' all-masked column blocks made it slower: 171 -> 226 us at the main
+// shape.)
 template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaParams& a) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     pdl_launch_dependents();  // bc_sums waits for this grid before it starts
@@ -765,13 +789,13 @@ template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaP
     const SsdParams& p = a.q.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
     const int64_t n_chunks = ssd_chunk_count(p), hpg = p.heads / p.groups;
-    const int n_tiles = int(p.chunk_size / kQ), pairs = n_tiles * (n_tiles + 1) / 2, n_tasks = 4 * pairs;
+    const int n_tiles = int(p.chunk_size / kQ), pairs = n_tiles * (n_tiles + 1) / 2;
     const int64_t n_split = a.msum_split, split = blockIdx.x % n_split, unit = blockIdx.x / n_split;
     const int64_t g = unit % p.groups, chunk = unit / p.groups % n_chunks, b = unit / (p.groups * n_chunks);
     const int64_t h_begin = g * hpg + split * hpg / n_split, h_end = g * hpg + (split + 1) * hpg / n_split;
     const int64_t c0 = chunk * p.chunk_size;
     const MsumStage st(p.chunk_size);
-    if (dynamic_smem_bytes() < 2 * st.bytes || n_split > kMsumMaxSplit) __trap();  // a launcher out of step
+    if (dynamic_smem_bytes() < msum_shared_bytes(p.chunk_size) || n_split > kMsumMaxSplit) __trap();  // a launcher out of step
     auto stage_ptr = [&](int stage, int64_t off) { return smem_raw + stage * st.bytes + off; };
     const T* x = static_cast<const T*>(p.x);
     const T* dy = static_cast<const T*>(a.q.dy);
@@ -793,56 +817,57 @@ template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaP
     };
     const int a_rows = lane & 15, a_cols = (lane >> 4) * 8;
     const int bn_rows = (lane & 7) + ((lane >> 4) << 3), bn_cols = ((lane >> 3) & 1) * 8;
+    // Tasks: first the diagonal pairs' (kDiag per warp), then the others' (kOff per warp). Off the
+    // diagonal (t in tile I > J, s in tile J ending at step Je), 2^(cum_t - cum_s) dt_s = [2^(cum_t -
+    // cum_Je)] [2^(cum_Je - cum_s) dt_s], both factors <= 1 (times dt): the first scales the A
+    // fragments' rows of dy, the second x's rows, once per head in a shared copy. The heads then sum
+    // inside the mma accumulators, with no per-head epilogue.
+    constexpr int kDiag = 2, kOff = kMsumTasks - kDiag;
+    const int n_diag = 4 * n_tiles, n_off = 4 * (pairs - n_tiles);
+    T* x_scaled = reinterpret_cast<T*>(smem_raw + 2 * st.bytes);
     float m[kMsumTasks][kQ / 8][4] = {};
     int2 task_ij[kMsumTasks];
 #pragma unroll
-    for (int u = 0; u < kMsumTasks; ++u) task_ij[u] = tile_pair((warp + kMsumWarps * u) / 4);
+    for (int u = 0; u < kDiag; ++u) task_ij[u] = make_int2((warp + kMsumWarps * u) / 4, (warp + kMsumWarps * u) / 4);
+#pragma unroll
+    for (int u = 0; u < kOff; ++u) task_ij[kDiag + u] = off_diagonal_pair((warp + kMsumWarps * u) / 4);
     cp_async_pipeline<2>(h_end - h_begin, load, [&](int64_t, int stage) {
         const uint32_t dys = smem_addr(stage_ptr(stage, st.dy)), xs = smem_addr(stage_ptr(stage, st.x));
         const float2* sc = reinterpret_cast<const float2*>(stage_ptr(stage, st.sc));
-        float* rowf = reinterpret_cast<float*>(stage_ptr(stage, st.tab));
-        float* colf = rowf + p.chunk_size;
-        for (int i = tid; i < p.chunk_size * n_tiles; i += threads) {
-            if (i < p.chunk_size) {
-                rowf[i] = ex2_ftz(sc[i].x - sc[i / kQ * kQ].x);
-            } else {
-                const int j = i - int(p.chunk_size), tile = j / int(p.chunk_size) + 1, s = j % int(p.chunk_size);
-                if (s < kQ * tile) colf[j] = ex2_ftz(sc[kQ * tile].x - sc[s].x) * sc[s].y;
-            }
+        // x's rows s but the last tile's, times 2^(cum_Je - cum_s) dt_s (the previous head's
+        // off-diagonal tasks are done: the pipeline's barrier).
+        const T* x_raw = reinterpret_cast<const T*>(stage_ptr(stage, st.x));
+        for (int c = tid; c < (p.chunk_size - kQ) * (kP / 8); c += threads) {
+            const int row = c / (kP / 8), col = c % (kP / 8) * 8;
+            const float2 s_row = sc[row];
+            const float f = ex2_ftz(sc[row / kQ * kQ + kQ - 1].x - s_row.x) * s_row.y;
+            scale8<T>(&x_scaled[row * PX + col], &x_raw[row * PX + col], f);
         }
-        __syncthreads();
-#pragma unroll
-        for (int u = 0; u < kMsumTasks; ++u) {
-            const int task = warp + kMsumWarps * u;
-            if (task >= n_tasks) break;
-            const int2 ij = task_ij[u];
-            const int t_row = kQ * ij.x + 16 * (task % 4), s_col = kQ * ij.y;  // the strip's first row, the tile's first column
-            float gacc[kQ / 8][4] = {};  // dy_t . x_s
+        // dy_t x_s^T over the warp's 16 rows t = t_row.. and the 64 columns s = s_col.. of `xt`; with
+        // `scaled`, dy's rows t times f_lo, f_hi.
+        auto products = [&](float (&acc)[kQ / 8][4], uint32_t xt, int t_row, int s_col, bool scaled, float f_lo, float f_hi) {
 #pragma unroll
             for (int kk = 0; kk < kP / 16; ++kk) {
                 uint32_t af[4];
                 ldsm_x4(af, dys + ((t_row + a_rows) * PX + 16 * kk + a_cols) * E);
+                if (scaled) scale_a_rows_t2<T>(af, f_lo, f_hi);
 #pragma unroll
                 for (int pr = 0; pr < kQ / 16; ++pr) {
                     uint32_t bb[4];
-                    ldsm_x4(bb, xs + ((s_col + 16 * pr + bn_rows) * PX + 16 * kk + bn_cols) * E);
-                    mma_pair<T>(gacc[2 * pr], gacc[2 * pr + 1], af, bb);
+                    ldsm_x4(bb, xt + ((s_col + 16 * pr + bn_rows) * PX + 16 * kk + bn_cols) * E);
+                    mma_pair<T>(acc[2 * pr], acc[2 * pr + 1], af, bb);
                 }
             }
-            const int t_lo = t_row + lane / 4;
-            if (ij.x > ij.y) {
-                const float rf_lo = rowf[t_lo], rf_hi = rowf[t_lo + 8];
-                const float* cf = colf + (ij.x - 1) * p.chunk_size + s_col + 2 * (lane % 4);
+        };
 #pragma unroll
-                for (int nt = 0; nt < kQ / 8; ++nt) {
-                    const float2 c = *reinterpret_cast<const float2*>(cf + 8 * nt);
-                    m[u][nt][0] = fmaf(gacc[nt][0] * rf_lo, c.x, m[u][nt][0]);
-                    m[u][nt][1] = fmaf(gacc[nt][1] * rf_lo, c.y, m[u][nt][1]);
-                    m[u][nt][2] = fmaf(gacc[nt][2] * rf_hi, c.x, m[u][nt][2]);
-                    m[u][nt][3] = fmaf(gacc[nt][3] * rf_hi, c.y, m[u][nt][3]);
-                }
-                continue;
-            }
+        for (int u = 0; u < kDiag; ++u) {
+            const int task = warp + kMsumWarps * u;
+            if (task >= n_diag) break;
+            const int2 ij = task_ij[u];
+            const int t_row = kQ * ij.x + 16 * (task % 4), s_col = kQ * ij.y;
+            float gacc[kQ / 8][4] = {};  // dy_t . x_s
+            products(gacc, xs, t_row, s_col, false, 0.f, 0.f);
+            const int t_lo = t_row + lane / 4;
             const float cum_lo = sc[t_lo].x, cum_hi = sc[t_lo + 8].x;
 #pragma unroll
             for (int nt = 0; nt < kQ / 8; ++nt) {
@@ -857,12 +882,26 @@ template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaP
                 }
             }
         }
+        if (n_off == 0) return;
+        __syncthreads();  // the scaled x is complete
+        const uint32_t xss = smem_addr(x_scaled);
+#pragma unroll
+        for (int u = 0; u < kOff; ++u) {
+            const int task = warp + kMsumWarps * u;
+            if (task >= n_off) break;
+            const int2 ij = task_ij[kDiag + u];
+            const int t_row = kQ * ij.x + 16 * (task % 4), t_lo = t_row + lane / 4;
+            const float cum_je = sc[kQ * ij.y + kQ - 1].x;
+            products(m[kDiag + u], xss, t_row, kQ * ij.y, true, ex2_ftz(sc[t_lo].x - cum_je), ex2_ftz(sc[t_lo + 8].x - cum_je));
+        }
     });
 #pragma unroll
     for (int u = 0; u < kMsumTasks; ++u) {
-        const int task = warp + kMsumWarps * u;
-        if (task >= n_tasks) break;
-        float* out = a.msum + ((unit * n_split + split) * pairs + task / 4) * kQ * kQ;
+        const int task = warp + kMsumWarps * (u < kDiag ? u : u - kDiag);
+        if (task >= (u < kDiag ? n_diag : n_off)) continue;
+        const int2 ij = task_ij[u];
+        const int pair = ij.x * (ij.x + 1) / 2 + ij.y;
+        float* out = a.msum + ((unit * n_split + split) * pairs + pair) * kQ * kQ;
         const int r_lo = 16 * (task % 4) + lane / 4;
 #pragma unroll
         for (int nt = 0; nt < kQ / 8; ++nt) {
@@ -1099,7 +1138,7 @@ __device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
 // [- 1]), kThreads threads, sizeof(BwdSmem<T, N>) bytes of dynamic shared memory); after _partials
 // ssd_bwd_reduce_bc_<T> (grid-stride over (batch, seqlen, groups, dstate / 8)); else before it
 // ssd_bwd_chunk_scalars_<T> (a warp per (batch, chunk, head)) and after it ssd_bwd_head_msum_<T> (grid
-// batch * n_chunks * groups * msum_split, 32 kMsumWarps threads, 2 MsumStage(chunk_size).bytes),
+// batch * n_chunks * groups * msum_split, 32 kMsumWarps threads, msum_shared_bytes(chunk_size)),
 // ssd_bwd_bc_sums_<T>_n<N> (grid (batch * n_chunks * groups, 2), 2 chunk_size threads,
 // kBcStages BcStage(chunk_size).bytes), ssd_bwd_reduce_params (a block of kP threads per head);
 // ssd_bwd_gate_grad_<T> (grid-stride over element pairs; before the main kernel, with z).

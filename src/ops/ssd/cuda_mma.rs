@@ -63,10 +63,11 @@ fn bwd_shared_bytes(dstate: i64) -> u32 {
 }
 
 /// head_msum's threads, and its shared memory: two stages of a head's dy and x over the chunk (rows
-/// of 72 2-byte elements), the chunk's {cum, dt} and decay table (`MsumStage`, kernels/ssd_bwd.cu).
+/// of 72 2-byte elements) and the chunk's {cum, dt}, then a scaled copy of x's rows but the last
+/// tile's (`msum_shared_bytes`, kernels/ssd_bwd.cu).
 const MSUM_THREADS: u32 = 256;
 fn msum_shared_bytes(chunk: i64) -> u32 {
-    (2 * (2 * chunk * 72 * 2 + chunk * 8 + chunk * (chunk / MMA_TILE) * 4)) as u32
+    (2 * (2 * chunk * 72 * 2 + chunk * 8) + (chunk - MMA_TILE) * 72 * 2) as u32
 }
 
 /// bc_sums' shared memory: two stages of a head's dy or x over the chunk, a 64 x (dstate + 8) state
