@@ -1,8 +1,11 @@
 //! Build script: (1) with the `cuda` feature, compile each `kernels/*.cu` into a fatbin (SASS for every
-//! arch in XLA_SSM_CUDA_ARCHS, default 80,86,89,90 (90 as 90a), plus PTX for the newest) and generate the table
-//! that embeds them; (2) generate the C header with cbindgen into OUT_DIR (and into include/ when
-//! XLA_SSM_WRITE_HEADER=1; a test fails when the committed header drifts).
+//! arch in XLA_SSM_CUDA_ARCHS, default 80,86,89,90 (90 as 90a), plus PTX for the newest) and generate the
+//! table that embeds them; nvcc runs only for kernels whose inputs changed (`FatbinCache`); (2) generate
+//! the C header with cbindgen into OUT_DIR (and into include/ when XLA_SSM_WRITE_HEADER=1; a test fails
+//! when the committed header drifts).
+use std::collections::hash_map::DefaultHasher;
 use std::env;
+use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -84,36 +87,118 @@ fn kernels(out: &Path) {
         archs.iter().map(|a| format!("-gencode=arch=compute_{0},code=sm_{0}", sass(a))).collect();
     gencode.push(format!("-gencode=arch=compute_{newest},code=compute_{newest}"));
 
+    let flags: Vec<String> = ["-fatbin", "-O3", "-std=c++17", "--threads", "0", "-Xptxas=-warn-spills"]
+        .iter()
+        .map(|f| f.to_string())
+        .chain(gencode)
+        .collect();
+
     let mut sources: Vec<PathBuf> = std::fs::read_dir("kernels")
         .expect("kernels/")
         .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+        .filter(|p| p.extension().is_some_and(|x| x == "cu" || x == "cuh"))
         .collect();
     sources.sort();
-    // One nvcc per file, all at once; each also splits its archs over threads.
+    // What every fatbin depends on besides its own .cu: nvcc, the flags, and the shared headers (any
+    // .cu may include any of them).
+    let mut common = DefaultHasher::new();
+    let nvcc_meta = std::fs::metadata(&nvcc).ok();
+    (nvcc.display().to_string(), nvcc_meta.as_ref().map(|m| m.len()), nvcc_meta.and_then(|m| m.modified().ok()))
+        .hash(&mut common);
+    for var in ["NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS"] {
+        println!("cargo:rerun-if-env-changed={var}");
+        env::var(var).ok().hash(&mut common);
+    }
+    flags.hash(&mut common);
+    for header in sources.iter().filter(|p| p.extension().is_some_and(|x| x == "cuh")) {
+        (header.file_name(), std::fs::read(header).expect("kernels/*.cuh")).hash(&mut common);
+    }
+    let cache = FatbinCache::new(out);
+
+    // One nvcc per file not in the cache, all at once; each also splits its archs over threads.
     let jobs: Vec<_> = sources
         .iter()
+        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
         .map(|src| {
             let stem = src.file_stem().unwrap().to_str().unwrap().to_string();
             let fatbin = out.join(format!("{stem}.fatbin"));
-            let child = Command::new(&nvcc)
-                .args(["-fatbin", "-O3", "-std=c++17", "--threads", "0", "-Xptxas=-warn-spills"])
-                .args(&gencode)
-                .arg("-o")
-                .arg(&fatbin)
-                .arg(src)
-                .spawn()
-                .unwrap_or_else(|e| panic!("could not run {}: {e}", nvcc.display()));
-            (stem, fatbin, child)
+            let mut key = common.clone();
+            std::fs::read(src).expect("kernels/*.cu").hash(&mut key);
+            let cached = cache.entry(&stem, key.finish());
+            let child = if cached.is_file() {
+                std::fs::copy(&cached, &fatbin).expect("copying a cached fatbin");
+                None
+            } else {
+                let child = Command::new(&nvcc)
+                    .args(&flags)
+                    .arg("-o")
+                    .arg(&fatbin)
+                    .arg(src)
+                    .spawn()
+                    .unwrap_or_else(|e| panic!("could not run {}: {e}", nvcc.display()));
+                Some(child)
+            };
+            (stem, fatbin, cached, child)
         })
         .collect();
     let mut table =
         String::from("/// (module name, fatbin) for every kernels/*.cu.\npub static FATBINS: &[(&str, &[u8])] = &[\n");
-    for (stem, fatbin, mut child) in jobs {
-        let status = child.wait().unwrap();
-        assert!(status.success(), "nvcc failed on kernels/{stem}.cu");
+    for (stem, fatbin, cached, child) in jobs {
+        if let Some(mut child) = child {
+            let status = child.wait().unwrap();
+            assert!(status.success(), "nvcc failed on kernels/{stem}.cu");
+            cache.store(&stem, &fatbin, &cached);
+        }
         table += &format!("    ({stem:?}, include_bytes!({:?})),\n", fatbin.display().to_string());
     }
     table += "];\n";
     std::fs::write(out.join("fatbins.rs"), table).unwrap();
+}
+
+/// Compiled fatbins kept between runs of this script, by a hash of everything nvcc reads. `cargo
+/// clippy` and `cargo build` / `cargo test` each run the script in an OUT_DIR of their own (clippy's
+/// wrapper changes its fingerprint); without the cache each ran nvcc over every kernel again (~12 min
+/// of CI's 2 cores). It lives in <target>/<profile>/, so `cargo clean` empties it.
+struct FatbinCache {
+    dir: PathBuf,
+}
+
+impl FatbinCache {
+    /// Entries kept per kernel file (older ones are removed when a new one is stored).
+    const KEEP: usize = 4;
+
+    fn new(out: &Path) -> Self {
+        // OUT_DIR is <target>/<profile>/build/<package>-<hash>/out.
+        let dir = out.ancestors().nth(3).expect("OUT_DIR has the layout cargo gives it").join("xla-ssm-fatbins");
+        std::fs::create_dir_all(&dir).expect("creating the fatbin cache");
+        FatbinCache { dir }
+    }
+
+    fn entry(&self, stem: &str, key: u64) -> PathBuf {
+        self.dir.join(format!("{stem}-{key:016x}.fatbin"))
+    }
+
+    /// Copies a new fatbin in (through a temporary name: a concurrent build never sees half a file),
+    /// then drops all but the newest KEEP entries of that kernel.
+    fn store(&self, stem: &str, fatbin: &Path, entry: &Path) {
+        let tmp = entry.with_extension(format!("tmp{}", std::process::id()));
+        std::fs::copy(fatbin, &tmp).expect("writing the fatbin cache");
+        std::fs::rename(&tmp, entry).expect("writing the fatbin cache");
+        let prefix = format!("{stem}-");
+        let mut entries: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(&self.dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.strip_prefix(&prefix)
+                    .is_some_and(|rest| rest.len() == 16 + ".fatbin".len() && rest.ends_with(".fatbin"))
+            })
+            .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+            .collect();
+        entries.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
+        for (_, old) in entries.into_iter().skip(Self::KEEP) {
+            let _ = std::fs::remove_file(old);
+        }
+    }
 }
