@@ -161,15 +161,14 @@ fn function(ctx: sys::CUcontext, module: &'static str, kernel: &str, shared_byte
     Ok(f)
 }
 
-/// The compute capability's major number of the current context's device.
-fn compute_major() -> Result<i32> {
+/// An attribute of the current context's device.
+fn device_attribute(which: sys::CUdevice_attribute) -> Result<i32> {
     let mut device: sys::CUdevice = 0;
-    let mut major = 0;
+    let mut value = 0;
     // SAFETY: plain queries in the current context.
     check(unsafe { sys::cuCtxGetDevice(&mut device) }, "cuCtxGetDevice")?;
-    let which = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR;
-    check(unsafe { sys::cuDeviceGetAttribute(&mut major, which, device) }, "cuDeviceGetAttribute")?;
-    Ok(major)
+    check(unsafe { sys::cuDeviceGetAttribute(&mut value, which, device) }, "cuDeviceGetAttribute")?;
+    Ok(value)
 }
 
 /// Shared memory of one multiprocessor of the stream's device, and what the driver reserves of it
@@ -178,18 +177,11 @@ pub fn sm_shared_memory(stream: *mut c_void) -> Result<(u32, u32)> {
     driver()?;
     let ctx = stream_context(stream as sys::CUstream)?;
     let _current = ContextGuard::push(ctx)?;
-    let mut device: sys::CUdevice = 0;
-    // SAFETY: plain queries in the current context.
-    check(unsafe { sys::cuCtxGetDevice(&mut device) }, "cuCtxGetDevice")?;
-    let attribute = |which: sys::CUdevice_attribute| -> Result<u32> {
-        let mut value = 0;
-        check(unsafe { sys::cuDeviceGetAttribute(&mut value, which, device) }, "cuDeviceGetAttribute")?;
-        Ok(value.max(0) as u32)
-    };
+    let bytes = |which| device_attribute(which).map(|v| v.max(0) as u32);
     use sys::CUdevice_attribute::*;
     Ok((
-        attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?,
-        attribute(CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK)?,
+        bytes(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?,
+        bytes(CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK)?,
     ))
 }
 
@@ -246,7 +238,8 @@ pub fn launch_ex<P>(
     let _current = ContextGuard::push(ctx)?;
     let f = function(ctx, module, kernel, shared_bytes)?;
     let mut args = [params as *const P as *mut c_void];
-    if start == Start::Overlapping && compute_major()? >= 9 {
+    use sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR;
+    if start == Start::Overlapping && device_attribute(MAJOR)? >= 9 {
         let mut attribute = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
