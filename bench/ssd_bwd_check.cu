@@ -208,7 +208,7 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&a.da_part, a.n_parts * B * H * 4 + 4));
     CK(cudaMalloc(&a.dbias_part, a.n_parts * B * H * 4 + 4));
     CK(cudaMalloc(&a.dd_part, a.n_parts * B * H * P * 4 + 4));
-    CK(cudaMalloc(&a.scratch, a.n_parts * B * H * std::max<int64_t>(tpc - 1, 0) * P * N * 4 + 4));
+    CK(cudaMalloc(&a.scratch, a.n_parts * B * H * std::max<int64_t>(tpc - 3, 0) * P * N * 2 + 16));
     CK(cudaMalloc(&a.records, (a.n_parts - 1) * B * H * (P * N + 1) * 4 + 4));
     const int64_t pairs = tpc * (tpc + 1) / 2;
     CK(cudaMalloc(&a.s_chunk, B * H * NC * P * N * 2 + 16));

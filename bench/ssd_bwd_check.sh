@@ -20,6 +20,9 @@ if [ "$mode" != time ]; then
   run check 1 5 2 1 64 f16 64 1 1 1 1 1 0
   SSD_BWD_PARTS=3 run check 1 700 2 1 128 bf16 128 2 1 1 1 1 1
   SSD_BWD_PARTS=2 run check 2 200 2 2 64 f16 64 1 1 1 1 1 0
+  # chunk 256 at dstate 128: a tile's entering state kept in registers, shared memory and scratch
+  SSD_BWD_PARTS=2 run check 2 700 3 1 128 bf16 256 1 1 1 1 1 0
+  run check 1 1000 2 1 128 f16 256 2 1 1 0 1 1
   done
   unset SSD_BWD_PARTIALS
 fi

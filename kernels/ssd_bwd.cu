@@ -4,7 +4,7 @@
 //
 // One block of 4 warps walks one (batch, head) backwards through the sequence, the gradient dS of the
 // state leaving the current 64-step tile in mma accumulators (warp w: rows p = 16w..). Per chunk, the
-// states entering its tiles are first recomputed from the chunk's saved state (into scratch, each
+// states entering its tiles are first recomputed from the chunk's saved state (kept as below, each
 // thread its own accumulators). Per tile, with cum, dt, w as in the forward, L[t, s] = 2^(cum_t -
 // cum_s) for s <= t, S the state entering the tile (rounded to T as an mma operand):
 //   dx  = (B C^T o L)^T-ish products:  dx[s]  = dt_s sum_t L (C_t.B_s) dy_t + w_s (dS B_s) + D dy_s
@@ -27,7 +27,7 @@ namespace ssd_mma {
 struct SsdBwdMmaParams {
     SsdBwdParams q;
     void* gated;        // (batch, seqlen, heads, kP) T, with z: y before the gate, then dy through the gate
-    float* scratch;     // (n_parts, batch * heads, tiles per chunk - 1, kP * dstate): recomputed states
+    void* scratch;      // (n_parts, batch * heads, kScratchSlots, kP * dstate) T: recomputed states
     float* da_part;     // (n_parts, batch, heads)
     float* dbias_part;  // (n_parts, batch, heads)
     float* dd_part;     // (n_parts, batch, heads, kP)
@@ -48,6 +48,13 @@ struct SsdBwdMmaParams {
     void* dc_part;
 };
 
+// The states entering tiles 1.. of a chunk, recomputed before the walk back through it, are kept in
+// T (as mma operands they are rounded to T anyway; only <dS, S> sees the rounding): the last in
+// registers, the one before in shared memory, any earlier one (chunk_size 256: tile 1) in global
+// scratch, each thread its own accumulators as T pairs. Stores cost this kernel time even though
+// nothing waits on them: all three as f32 scratch made it ~30 us slower (H100, 8x2048x64x64x128).
+constexpr int kScratchSlots = 1;  // (chunk_size / kQ) - 3 at chunk_size 256, the largest
+
 template <typename T, int N> struct BwdSmem {
     T x[kQ * pitch<kP>()];
     T dy[kQ * pitch<kP>()];
@@ -61,10 +68,12 @@ template <typename T, int N> struct BwdSmem {
     float state[kQ];         // per s: 2^(cum_last - cum_s) x_s . (dS B_s)
     float y0[kQ];            // per t: 2^cum_t C_t . (dy_t S)
     float sds[kWarps];       // <dS, S> partials
+    uint4 kept[kP * N / 8];  // the state entering the chunk's last tile but one (thread-own, as T pairs)
 };
 
 // The launcher sizes shared memory by this formula (src/ops/ssd/cuda_mma.rs).
-static_assert(sizeof(BwdSmem<bf16, 128>) == 21264 + 512 * (128 + 8) && sizeof(BwdSmem<f16, 64>) == 21264 + 512 * (64 + 8),
+static_assert(sizeof(BwdSmem<bf16, 128>) == 21264 + 512 * (128 + 8) + 128 * 128 &&
+                  sizeof(BwdSmem<f16, 64>) == 21264 + 512 * (64 + 8) + 128 * 64,
               "mirror of bwd_shared_bytes");
 
 // A fragments (m16 x k16) from a row block of f32 accumulators over two n-tiles.
@@ -194,6 +203,7 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
     const int64_t chunk_begin = part * a.chunks_per_part, chunk_end = min(chunk_begin + a.chunks_per_part, n_chunks);
     float* records = a.records;
     float* record_decay = records + (a.n_parts - 1) * bhs * state_elems;
+    if (tiles_per_chunk - 3 > kScratchSlots) __trap();  // chunk_size past 256: plan.rs sizes no more
     // head_msum does not read what this kernel writes: it may take SMs as this grid's last blocks drain.
     if (!LOCAL && !PARTIALS) pdl_launch_dependents();
 
@@ -281,9 +291,11 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
             acc[1] = v.y;
         });
     };
-    // Scratch slot of the state entering tile j (>= 1) of a chunk: each thread's accumulators as float4s.
-    auto scratch_slot = [&](int64_t j) {
-        return reinterpret_cast<float4*>(a.scratch + ((part * bhs + bh) * (tiles_per_chunk - 1) + (j - 1)) * state_elems) + tid;
+    // Where the state entering tile j (1 <= j <= tiles - 2) of a chunk of `tiles` tiles is kept: its
+    // thread-own T pairs, 16 bytes (two accumulator groups) apart by kThreads.
+    auto kept_slot = [&](int64_t j, int64_t tiles) {
+        if (j == tiles - 2) return &sm.kept[tid];
+        return static_cast<uint4*>(a.scratch) + ((part * bhs + bh) * kScratchSlots + (j - 1)) * (state_elems / 8) + tid;
     };
 
     // dS: the gradient of the state leaving the current tile. A part starts from dfinal_states folded
@@ -352,37 +364,44 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
     for (int64_t chunk = chunk_end - 1; chunk >= chunk_begin; --chunk) {
         const int64_t c0 = chunk * p.chunk_size;
         const int64_t tiles = min(tiles_per_chunk, (p.seqlen - c0 + kQ - 1) / kQ);
-        // Recompute the states entering tiles 1..tiles-1 of the chunk.
-        if (tiles > 1) {
-            float s[N / 8][4];
-            load_chunk_state(s, chunk);
-            for (int64_t j = 0; j + 1 < tiles; ++j) {
-                load_tile(c0 + j * kQ, true, false);
-                prefetch_tile(c0 + (j + 1) * kQ);  // the last one: the first of the walk back
-                decay_add_product(s, xs, sm.sc.w, bs);  // S <- 2^cum_last S + (w o x)^T B
-                float4* slot = scratch_slot(j + 1);
-#pragma unroll
-                for (int n = 0; n < N / 8; ++n) slot[n * kThreads] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
-                __syncthreads();
-            }
-        }
-
-        // S entering tile j (f32, this thread's accumulator positions): issued a tile ahead, so that
-        // its latency passes while warp 0 finishes the tile before.
+        // S entering tile j (f32, this thread's accumulator positions). First the states entering
+        // tiles 1..tiles-1 are recomputed; the last stays here, the others are kept (kept_slot).
         float sv[N / 8][4];
+        load_chunk_state(sv, chunk);
+        for (int64_t j = 0; j + 1 < tiles; ++j) {
+            load_tile(c0 + j * kQ, true, false);
+            prefetch_tile(c0 + (j + 1) * kQ);  // the last one: the first of the walk back
+            decay_add_product(sv, xs, sm.sc.w, bs);  // S <- 2^cum_last S + (w o x)^T B
+            if (j + 2 < tiles) {
+                uint4* slot = kept_slot(j + 1, tiles);
+#pragma unroll
+                for (int n = 0; n < N / 8; n += 2)
+                    slot[n / 2 * kThreads] = make_uint4(pack_u32<T>(sv[n][0], sv[n][1]), pack_u32<T>(sv[n][2], sv[n][3]),
+                                                        pack_u32<T>(sv[n + 1][0], sv[n + 1][1]),
+                                                        pack_u32<T>(sv[n + 1][2], sv[n + 1][3]));
+            }
+            __syncthreads();
+        }
+        // The next tile's entering state, read a tile ahead so that a global read's latency passes
+        // while warp 0 finishes the tile before.
         auto load_entering = [&](int64_t j) {
             if (j == 0) {
                 load_chunk_state(sv, chunk);
-            } else {
-                const float4* slot = scratch_slot(j);
+                return;
+            }
+            const uint4* slot = kept_slot(j, tiles);
 #pragma unroll
-                for (int n = 0; n < N / 8; ++n) {
-                    const float4 v = slot[n * kThreads];
-                    sv[n][0] = v.x, sv[n][1] = v.y, sv[n][2] = v.z, sv[n][3] = v.w;
+            for (int n = 0; n < N / 8; n += 2) {
+                const uint4 v = slot[n / 2 * kThreads];
+                const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const float2 f = O::unpack2(*reinterpret_cast<const T2*>(&w[k]));
+                    sv[n + k / 2][2 * (k % 2)] = f.x;
+                    sv[n + k / 2][2 * (k % 2) + 1] = f.y;
                 }
             }
         };
-        load_entering(tiles - 1);
         for (int64_t j = tiles - 1; j >= 0; --j) {
             const int64_t t0 = c0 + j * kQ;
             // <dS, S>, and both rounded to T into shared memory.

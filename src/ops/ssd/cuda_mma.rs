@@ -33,7 +33,7 @@ struct FwdMmaParams {
 struct BwdMmaParams {
     q: SsdBwdParams,
     gated: *mut c_void,
-    scratch: *mut f32,
+    scratch: *mut c_void,
     da_part: *mut f32,
     dbias_part: *mut f32,
     dd_part: *mut f32,
@@ -57,9 +57,9 @@ fn fwd_shared_bytes(dstate: i64) -> u32 {
 }
 
 /// `sizeof(BwdSmem<T, N>)` (static_assert there): x and dy (64 x 72), B, C, S and dS (64 x (N + 8))
-/// tiles, and per-step scalars and partial sums.
+/// tiles, per-step scalars and partial sums, and a kept 64 x N state in T.
 fn bwd_shared_bytes(dstate: i64) -> u32 {
-    (21264 + 512 * (dstate + 8)) as u32
+    (21264 + 512 * (dstate + 8) + 128 * dstate) as u32
 }
 
 /// head_msum's threads, and its shared memory: two stages of a head's dy and x over the chunk (rows
@@ -148,7 +148,7 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
     let mut args = BwdMmaParams {
         q: bwd.params,
         gated: at(layout.gated) as *mut c_void,
-        scratch: at(layout.scratch) as *mut f32,
+        scratch: at(layout.scratch) as *mut c_void,
         da_part: at(layout.da_part) as *mut f32,
         dbias_part: at(layout.dbias_part) as *mut f32,
         dd_part: at(layout.dd_part) as *mut f32,

@@ -226,7 +226,8 @@ pub struct MmaBwdLayout {
     pub db_part: i64,
     pub dc_part: i64,
     pub part_bytes: i64,
-    /// (n_parts, batch * heads, tiles per chunk - 1, headdim * dstate) f32: recomputed tile states.
+    /// (n_parts, batch * heads, tiles per chunk - 3, headdim * dstate) 2-byte type: the recomputed
+    /// states the kernel keeps in neither registers nor shared memory (one slot at chunk_size 256).
     pub scratch: i64,
     /// (n_parts, batch, heads) f32 each, and (n_parts, batch, heads, headdim) f32.
     pub da_part: i64,
@@ -262,7 +263,7 @@ pub fn mma_bwd_layout(s: &Shape) -> MmaBwdLayout {
     let part_bytes = sized(s.batch * s.seqlen * s.heads * s.dstate * 2, !head_sums);
     let db_part = c.take(part_bytes);
     let dc_part = c.take(part_bytes);
-    let scratch = c.take(n_parts * bh * (s.chunk_size / MMA_TILE - 1) * state * 4);
+    let scratch = c.take(n_parts * bh * (tiles - 3).max(0) * state * 2);
     let da_part = c.take(n_parts * bh * 4);
     let dbias_part = c.take(n_parts * bh * 4);
     let dd_part = c.take(n_parts * bh * s.headdim * 4);
@@ -372,7 +373,7 @@ mod tests {
                 (l.msum, sums * s.batch * n_chunks * s.groups * l.msum_split * 10 * 64 * 64 * 4),
                 (l.db_part, l.part_bytes),
                 (l.dc_part, l.part_bytes),
-                (l.scratch, l.n_parts * bh * 3 * state * 4),
+                (l.scratch, l.n_parts * bh * state * 2),
                 (l.da_part, l.n_parts * bh * 4),
                 (l.dbias_part, l.n_parts * bh * 4),
                 (l.dd_part, l.n_parts * bh * 64 * 4),
