@@ -4,9 +4,10 @@
 //
 // One block of 4 warps walks one (batch, head) backwards through the sequence, the gradient dS of the
 // state leaving the current 64-step tile in mma accumulators (warp w: rows p = 16w..). Per chunk, the
-// states entering its tiles are first recomputed from the chunk's saved state (kept as below, each
-// thread its own accumulators). Per tile, with cum, dt, w as in the forward, L[t, s] = 2^(cum_t -
-// cum_s) for s <= t, S the state entering the tile (rounded to T as an mma operand):
+// states entering its tiles are first recomputed from the chunk's saved state (kept in registers,
+// shared memory or scratch: see kScratchSlots). Per tile, with cum, dt, w as in the forward,
+// L[t, s] = 2^(cum_t - cum_s) for s <= t, S the state entering the tile (rounded to T as an mma
+// operand):
 //   dx  = (B C^T o L)^T-ish products:  dx[s]  = dt_s sum_t L (C_t.B_s) dy_t + w_s (dS B_s) + D dy_s
 //   dB[s] = dt_s sum_t L (dy_t.x_s) C_t + w_s x_s^T dS         (per head, summed over the group)
 //   dC[t] = sum_s L dt_s (dy_t.x_s) B_s + 2^cum_t dy_t S        (likewise)
@@ -51,8 +52,8 @@ struct SsdBwdMmaParams {
 // The states entering tiles 1.. of a chunk, recomputed before the walk back through it, are kept in
 // T (as mma operands they are rounded to T anyway; only <dS, S> sees the rounding): the last in
 // registers, the one before in shared memory, any earlier one (chunk_size 256: tile 1) in global
-// scratch, each thread its own accumulators as T pairs. Stores cost this kernel time even though
-// nothing waits on them: all three as f32 scratch made it ~30 us slower (H100, 8x2048x64x64x128).
+// scratch, each thread its own accumulators as T pairs. All three as f32 scratch made this kernel
+// ~30 us slower (H100, 8x2048x64x64x128).
 constexpr int kScratchSlots = 1;  // (chunk_size / kQ) - 3 at chunk_size 256, the largest
 
 template <typename T, int N> struct BwdSmem {
@@ -291,8 +292,8 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
             acc[1] = v.y;
         });
     };
-    // Where the state entering tile j (1 <= j <= tiles - 2) of a chunk of `tiles` tiles is kept: its
-    // thread-own T pairs, 16 bytes (two accumulator groups) apart by kThreads.
+    // Where the state entering tile j (1 <= j <= tiles - 2) of a chunk of `tiles` tiles is kept: the
+    // thread's accumulators as T pairs, two accumulator groups per uint4, its uint4s kThreads apart.
     auto kept_slot = [&](int64_t j, int64_t tiles) {
         if (j == tiles - 2) return &sm.kept[tid];
         return static_cast<uint4*>(a.scratch) + ((part * bhs + bh) * kScratchSlots + (j - 1)) * (state_elems / 8) + tid;
