@@ -179,7 +179,7 @@ int main(int argc, char** argv) {
     p.D = d_mode ? dev_f32(Dv) : nullptr;
     p.dt_bias = has_bias ? dev_f32(bias) : nullptr;
     p.initial_states = has_h0 ? dev_f32(h0) : nullptr;
-    p.chunk_states = dev_f32(chunk_states);
+    p.chunk_states = dev_elems(chunk_states);  // in T, as the forward saves them on this path
     p.batch = B, p.seqlen = L, p.heads = H, p.headdim = P, p.dstate = N, p.groups = G, p.chunk_size = chunk;
     p.dt_min = dt_min, p.dt_max = dt_max, p.dt_softplus = sp, p.D_per_channel = d_mode == 2;
     a.q.dy = dev_elems(dy);

@@ -212,9 +212,10 @@ typedef struct XlaSsmSsdFwdArgs {
   void *y;
   // (batch, heads, headdim, dstate) f32.
   float *final_states;
-  // (batch, heads, headdim, ceil(seqlen / chunk_size), dstate) f32, optional: the state entering
-  // each chunk, which the backward needs.
-  float *chunk_states;
+  // (batch, heads, headdim, ceil(seqlen / chunk_size), dstate), optional: the state entering
+  // each chunk, which the backward needs. Of the dtype [`xla_ssm_ssd_chunk_states_dtype`] names:
+  // `dtype` where the tensor-core kernels run, else f32.
+  void *chunk_states;
   // Device scratch of at least [`xla_ssm_ssd_fwd_workspace_bytes`] bytes: required by the CUDA
   // forward, unused on the host.
   void *workspace;
@@ -247,8 +248,8 @@ typedef struct XlaSsmSsdBwdArgs {
   const void *z;
   const float *dt_bias;
   const float *initial_states;
-  // The forward's chunk_states, made with the same chunk_size.
-  const float *chunk_states;
+  // The forward's chunk_states, made with the same chunk_size (dtype as in the forward).
+  const void *chunk_states;
   // Cotangent of y (like x).
   const void *dy;
   // Cotangent of final_states, optional.
@@ -375,6 +376,15 @@ XlaSsmStatus xla_ssm_mamba_decode_step_host(const struct XlaSsmDecodeStepArgs *a
 // As [`xla_ssm_mamba_decode_step_host`], with device pointers of the stream's context.
 XlaSsmStatus xla_ssm_mamba_decode_step_cuda_launch(const struct XlaSsmDecodeStepArgs *args,
                                                    void *stream);
+
+// The dtype code of `chunk_states` for an SSD call of element type `dtype` (both targets, forward
+// and backward): `dtype` where the tensor-core kernels run (bf16 or f16, headdim 64, dstate 64 or
+// 128, chunk_size 64, 128 or 256), else XLA_SSM_F32; -1 for an unknown dtype code. Depends on
+// these values only (not on batch, seqlen, heads or groups).
+XlaSsmDtype xla_ssm_ssd_chunk_states_dtype(int64_t headdim,
+                                           int64_t dstate,
+                                           int64_t chunk_size,
+                                           XlaSsmDtype dtype);
 
 // Bytes of device workspace the CUDA SSD forward needs for this shape and dtype (0 for a shape or
 // dtype the call would refuse). Depends on these values only.

@@ -26,8 +26,9 @@ struct SsdParams {
     float* final_states;          // (batch, heads, headdim, dstate), or null
     // (batch, heads, headdim, n_chunks, dstate), n_chunks = ceil(seqlen / chunk_size): the state
     // entering each chunk (chunk 0: the initial state); the selective scan's checkpoint layout, with
-    // dim = heads x headdim. Written by the forward when non-null; read by the backward.
-    float* chunk_states;
+    // dim = heads x headdim. T in the tensor-core kernels, f32 in the generic path (the selective
+    // scan's checkpoints). Written by the forward when non-null; read by the backward.
+    void* chunk_states;
     // Scratch from the host (size: the launcher's workspace function); contents undefined afterwards.
     void* workspace;
     int64_t workspace_bytes;

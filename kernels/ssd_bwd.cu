@@ -284,10 +284,12 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
         const float4 v = sm.sc.cd[t / 2];
         return t & 1 ? v.w : v.y;
     };
-    // The saved state entering a chunk, into this thread's accumulator positions.
+    // The saved state entering a chunk (T), into this thread's accumulator positions. (4-byte loads:
+    // the full-sector loads and lane swaps that suit the forward's stores cost this kernel spills.)
     auto load_chunk_state = [&](float (&dst)[N / 8][4], int64_t chunk) {
+        const T* base = static_cast<const T*>(p.chunk_states) + (bh * kP * n_chunks + chunk) * N;
         for_state_pairs<N>(dst, [&](float* acc, int row, int col) {
-            const float2 v = *reinterpret_cast<const float2*>(p.chunk_states + ((bh * kP + row) * n_chunks + chunk) * N + col);
+            const float2 v = Ops<T>::unpack2(*reinterpret_cast<const typename Ops<T>::T2*>(base + row * n_chunks * N + col));
             acc[0] = v.x;
             acc[1] = v.y;
         });

@@ -106,15 +106,12 @@ __device__ __forceinline__ void store_part_state(float (&s)[N / 8][4], const Ssd
     if (LOCAL && threadIdx.x == 0) rec.decays[part * rec.per_part + bh] = decay_sum;
 }
 
-// Residual for the backward pass: the state entering each chunk (t0 = the tile's first step).
-template <int N>
+// Residual for the backward pass: the state entering each chunk (t0 = the tile's first step), in T.
+template <typename T, int N>
 __device__ __forceinline__ void store_chunk_state(float (&s)[N / 8][4], const SsdParams& p, int64_t bh, int64_t t0) {
     if (!p.chunk_states || t0 % p.chunk_size != 0) return;
     const int64_t chunk = t0 / p.chunk_size, n_chunks = ssd_chunk_count(p);
-    for_state_pairs<N>(s, [&](float* acc, int row, int col) {
-        float* dst = p.chunk_states + ((bh * kP + row) * n_chunks + chunk) * N + col;
-        *reinterpret_cast<float2*>(dst) = make_float2(acc[0], acc[1]);
-    });
+    store_state_t<T, N>(s, static_cast<T*>(p.chunk_states) + (bh * kP * n_chunks + chunk) * N, n_chunks * N);
 }
 
 }  // namespace ssd_mma

@@ -90,7 +90,7 @@ __device__ __forceinline__ void ssd_fwd_sync(const SsdParams& p, int64_t tiles_p
         decay_sum += cum_last;
         const uint32_t xs = smem_addr(sm.x[buf]), bs = smem_addr(sm.b[buf]), cs = smem_addr(sm.c[buf]);
         if (!LOCAL) {
-            store_chunk_state<N>(s, p, bh, t0);
+            store_chunk_state<T, N>(s, p, bh, t0);
             for_state_pairs<N>(s, [&](float* acc, int row, int col) {
                 *reinterpret_cast<T2*>(&sm.s[row * PN + col]) = O::pack2(acc[0], acc[1]);
             });

@@ -94,7 +94,7 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, int64_t tiles_
         cp_async_commit();
         cp_async_wait_one();
         if (!LOCAL) {
-            store_chunk_state<N>(s, p, bh, t0);
+            store_chunk_state<T, N>(s, p, bh, t0);
             for_state_pairs<N>(s, [&](float* acc, int row, int col) {
                 *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(sm.s) + tile_byte(row, col)) =
                     pack_u32<T>(acc[0], acc[1]);

@@ -682,9 +682,10 @@ pub struct XlaSsmSsdFwdArgs {
     pub y: *mut c_void,
     /// (batch, heads, headdim, dstate) f32.
     pub final_states: *mut f32,
-    /// (batch, heads, headdim, ceil(seqlen / chunk_size), dstate) f32, optional: the state entering
-    /// each chunk, which the backward needs.
-    pub chunk_states: *mut f32,
+    /// (batch, heads, headdim, ceil(seqlen / chunk_size), dstate), optional: the state entering
+    /// each chunk, which the backward needs. Of the dtype [`xla_ssm_ssd_chunk_states_dtype`] names:
+    /// `dtype` where the tensor-core kernels run, else f32.
+    pub chunk_states: *mut c_void,
     /// Device scratch of at least [`xla_ssm_ssd_fwd_workspace_bytes`] bytes: required by the CUDA
     /// forward, unused on the host.
     pub workspace: *mut c_void,
@@ -718,8 +719,8 @@ pub struct XlaSsmSsdBwdArgs {
     pub z: *const c_void,
     pub dt_bias: *const f32,
     pub initial_states: *const f32,
-    /// The forward's chunk_states, made with the same chunk_size.
-    pub chunk_states: *const f32,
+    /// The forward's chunk_states, made with the same chunk_size (dtype as in the forward).
+    pub chunk_states: *const c_void,
     /// Cotangent of y (like x).
     pub dy: *const c_void,
     /// Cotangent of final_states, optional.
@@ -748,6 +749,8 @@ struct SsdDescribed {
     d_dims: Vec<i64>,
     state_dims: Vec<i64>,
     chunk_dims: Vec<i64>,
+    /// What the call's chunk_states hold ([`xla_ssm_ssd_chunk_states_dtype`]).
+    chunk_states_dtype: DType,
     x: Tensor,
     dt: Tensor,
     a: Tensor,
@@ -777,6 +780,7 @@ macro_rules! describe_ssd {
         let state_dims = vec![batch, heads, headdim, dstate];
         let chunks = crate::ops::ssd::n_chunks(seqlen, a.chunk_size);
         let chunk_dims = vec![batch, heads, headdim, chunks, dstate];
+        let chunk_states_dtype = crate::ops::ssd::plan::chunk_states_dtype(dtype, headdim, dstate, a.chunk_size);
         let t = Described::tensor;
         let f32_at = |dims: &[i64], p: *const f32| t(DType::F32, dims, p as *const c_void);
         SsdDescribed {
@@ -800,6 +804,7 @@ macro_rules! describe_ssd {
             d_dims,
             state_dims,
             chunk_dims,
+            chunk_states_dtype,
         }
     }};
 }
@@ -833,7 +838,7 @@ fn ssd_fwd(args: *const XlaSsmSsdFwdArgs, platform: Platform) -> crate::error::R
     let t = Described::tensor;
     let y = t(k.dtype, &k.x_dims, a.y);
     let final_states = t(DType::F32, &k.state_dims, a.final_states as *const c_void);
-    let chunk_states = t(DType::F32, &k.chunk_dims, a.chunk_states as *const c_void);
+    let chunk_states = t(k.chunk_states_dtype, &k.chunk_dims, a.chunk_states);
     let workspace = workspace(a.workspace, a.workspace_bytes);
     let ssd = validate_fwd(&FwdArgs {
         inputs: k.inputs(),
@@ -853,7 +858,7 @@ fn ssd_bwd(args: *const XlaSsmSsdBwdArgs, platform: Platform) -> crate::error::R
     let k = describe_ssd!(op, a);
     let t = Described::tensor;
     let f32_at = |dims: &[i64], p: *const f32| t(DType::F32, dims, p as *const c_void);
-    let chunk_states = f32_at(&k.chunk_dims, a.chunk_states);
+    let chunk_states = t(k.chunk_states_dtype, &k.chunk_dims, a.chunk_states);
     let dy = t(k.dtype, &k.x_dims, a.dy);
     let dfinal_states = f32_at(&k.state_dims, a.dfinal_states);
     let (dx, ddt) = (t(k.dtype, &k.x_dims, a.dx), t(k.dtype, &k.dt_dims, a.ddt));
@@ -890,6 +895,24 @@ fn ssd_shape(
 ) -> Option<crate::ops::ssd::plan::Shape> {
     let elem_bytes = dtype_of("ssd", dtype, "dtype").ok()?.size_bytes();
     Some(crate::ops::ssd::plan::Shape { batch, seqlen, heads, headdim, dstate, groups, chunk_size, elem_bytes })
+}
+
+/// The dtype code of `chunk_states` for an SSD call of element type `dtype` (both targets, forward
+/// and backward): `dtype` where the tensor-core kernels run (bf16 or f16, headdim 64, dstate 64 or
+/// 128, chunk_size 64, 128 or 256), else XLA_SSM_F32; -1 for an unknown dtype code. Depends on
+/// these values only (not on batch, seqlen, heads or groups).
+#[no_mangle]
+pub extern "C" fn xla_ssm_ssd_chunk_states_dtype(
+    headdim: i64,
+    dstate: i64,
+    chunk_size: i64,
+    dtype: XlaSsmDtype,
+) -> XlaSsmDtype {
+    let Ok(t) = dtype_of("ssd", dtype, "dtype") else { return -1 };
+    match crate::ops::ssd::plan::chunk_states_dtype(t, headdim, dstate, chunk_size) {
+        DType::F32 => XLA_SSM_F32,
+        _ => dtype,
+    }
 }
 
 /// Bytes of device workspace the CUDA SSD forward needs for this shape and dtype (0 for a shape or

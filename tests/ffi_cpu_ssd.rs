@@ -9,6 +9,7 @@ mod ssd_common;
 use common::xla::{self, Attr};
 use common::{Dt, Errors, HostBuf};
 use ssd_common::*;
+use std::ffi::c_void;
 use xla_ssm::capi::*;
 use xla_ssm::xla::handlers::{xla_ssm_ssd_bwd_cpu, xla_ssm_ssd_fwd_cpu};
 
@@ -31,6 +32,19 @@ fn roundtrip_all(what: &str, cases: &[SsdCase]) {
         g = g.max(eg.rel_l2);
     }
     println!("{what}: {} cases ok; worst rel L2: y {y:.1e}, gradients {g:.1e}", cases.len());
+}
+
+/// Where the tensor-core kernels run, chunk_states are in T on the CPU too (either target reads the
+/// other's residuals): the forward rounds the scan's f32 checkpoints, the backward widens them.
+#[test]
+fn chunk_states_in_t_at_tensor_core_shapes() {
+    let mut cases = Vec::new();
+    for (dtype, dstate, chunk_size) in [(Dt::BF16, 64, 64), (Dt::F16, 128, 128), (Dt::BF16, 128, 256)] {
+        let case = SsdCase { dtype, chunk_size, ..SsdCase::new(1, 150, 2, 64, dstate).all_optional() };
+        assert_eq!(case.chunk_states_dt(), dtype);
+        cases.push(case);
+    }
+    roundtrip_all("chunk states in T", &cases);
 }
 
 #[test]
@@ -181,6 +195,19 @@ impl Fixture {
 
     fn fwd() -> Fixture {
         let p = Fixture::problem();
+        Fixture {
+            handler: xla_ssm_ssd_fwd_cpu,
+            op: "ssd_fwd",
+            args: p.operands(),
+            rets: p.fwd_results(true),
+            attrs: p.fwd_attrs(true),
+        }
+    }
+
+    /// The forward at a shape the tensor-core kernels take (bf16, headdim 64, dstate 64, chunk 64).
+    fn tensor_core_fwd() -> Fixture {
+        let case = SsdCase { dtype: Dt::BF16, ..SsdCase::new(1, 70, 2, 64, 64) };
+        let p = SsdProblem::random(&case, false);
         Fixture {
             handler: xla_ssm_ssd_fwd_cpu,
             op: "ssd_fwd",
@@ -354,6 +381,13 @@ fn error_forward_results() {
     let mut f = Fixture::fwd();
     f.ret("chunk_states").dims = vec![2, 4, 3, 1, 5];
     f.expect_invalid(&["`chunk_states`", "(2, 4, 3, 2, 5)", "[batch, heads, headdim, n_chunks, dstate]"]);
+    let mut f = Fixture::fwd();
+    f.ret("chunk_states").dtype = xla::BF16;
+    f.expect_invalid(&["result `chunk_states`", "expected dtype f32", "got bf16", "xla_ssm_ssd_chunk_states_dtype"]);
+    // Where the tensor-core kernels run they are in T, not f32.
+    let mut f = Fixture::tensor_core_fwd();
+    f.ret("chunk_states").dtype = xla::F32;
+    f.expect_invalid(&["result `chunk_states`", "expected dtype bf16", "tensor-core", "got f32"]);
     // save_chunk_states asks for the third result.
     let mut f = Fixture::fwd();
     f.rets.pop();
@@ -365,6 +399,9 @@ fn error_backward_operands_and_gradients() {
     let mut f = Fixture::bwd();
     f.arg("chunk_states").dims = vec![2, 4, 3, 1, 5];
     f.expect_invalid(&["operand `chunk_states`", "(2, 4, 3, 2, 5)"]);
+    let mut f = Fixture::bwd();
+    f.arg("chunk_states").dtype = xla::F16;
+    f.expect_invalid(&["operand `chunk_states`", "expected dtype f32", "got f16"]);
     let mut f = Fixture::bwd();
     f.attr("chunk_size", i64_attr(64));
     f.expect_invalid(&["operand `chunk_states`", "(2, 4, 3, 1, 5)"]);
@@ -438,6 +475,27 @@ fn workspace_bytes() {
     assert_eq!(xla_ssm_ssd_fwd_workspace_bytes(-1, 10, 8, 4, 4, 1, 32, XLA_SSM_F32), 0);
 }
 
+/// The C API's chunk_states dtype: the inputs' dtype exactly where the tensor-core kernels run (the
+/// rule the tests' `chunk_states_dt` states), whatever batch, seqlen, heads and groups are.
+#[test]
+fn chunk_states_dtype() {
+    for dtype in [Dt::F32, Dt::BF16, Dt::F16] {
+        for headdim in [16, 64, 80] {
+            for dstate in [16, 64, 100, 128, 256] {
+                for chunk_size in [32, 64, 128, 256] {
+                    let case = SsdCase { dtype, chunk_size, ..SsdCase::new(1, 1, 1, headdim, dstate) };
+                    let got =
+                        xla_ssm_ssd_chunk_states_dtype(headdim as i64, dstate as i64, chunk_size as i64, dtype.capi());
+                    assert_eq!(got, case.chunk_states_dt().capi(), "{case:?}");
+                }
+            }
+        }
+    }
+    assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 128, 256, XLA_SSM_BF16), XLA_SSM_BF16);
+    assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 128, 32, XLA_SSM_BF16), XLA_SSM_F32, "half a tile");
+    assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 128, 256, 7), -1, "unknown dtype");
+}
+
 // ---------------------------------------------------------------------------------------------
 // The C API: the same results as the handlers, bit for bit, and its errors.
 
@@ -503,7 +561,7 @@ fn c_api_host_matches_handlers() {
             initial_states: h0 as *const f32,
             y: y.ptr(),
             final_states: fin.as_mut_ptr(),
-            chunk_states: cs_out.as_mut_ptr(),
+            chunk_states: cs_out.as_mut_ptr() as *mut c_void,
             workspace: std::ptr::null_mut(),
             workspace_bytes: 0,
         };
@@ -542,7 +600,7 @@ fn c_api_host_matches_handlers() {
             z,
             dt_bias: bias as *const f32,
             initial_states: h0 as *const f32,
-            chunk_states: csp as *const f32,
+            chunk_states: csp as *const c_void,
             dy,
             dfinal_states: dfinal as *const f32,
             dx: dx.ptr(),

@@ -300,7 +300,7 @@ fn c_api_cuda_launch_matches_handlers() {
     let t = case.dtype;
     let y = DevBuf::upload(&t.nans(case.x_len()));
     let fin = DevBuf::upload(&Dt::F32.nans(case.state_len()));
-    let cs_out = DevBuf::upload(&Dt::F32.nans(case.chunk_len()));
+    let cs_out = DevBuf::upload(&case.chunk_states_dt().nans(case.chunk_len()));
     let wsf = DevBuf::upload(&vec![0xffu8; fwd_bytes(&case) as usize]);
     result::ctx::synchronize().unwrap();
     let fwd_args = XlaSsmSsdFwdArgs {
@@ -327,7 +327,7 @@ fn c_api_cuda_launch_matches_handlers() {
         initial_states: at("initial_states") as *const f32,
         y: y.data(),
         final_states: fin.data() as *mut f32,
-        chunk_states: cs_out.data() as *mut f32,
+        chunk_states: cs_out.data(),
         workspace: wsf.data(),
         workspace_bytes: wsf.len as i64,
     };
@@ -335,7 +335,7 @@ fn c_api_cuda_launch_matches_handlers() {
     assert_eq!(unsafe { xla_ssm_ssd_fwd_cuda_launch(&fwd_args, stream.ptr()) }, XLA_SSM_OK);
     synchronize(stream.ptr());
     assert_eq!(t.decode(&y.download()), want_fwd.y);
-    assert_eq!(Dt::F32.decode(&cs_out.download()), cs);
+    assert_eq!(case.chunk_states_dt().decode(&cs_out.download()), cs);
 
     let grads: Vec<(Arr, DevBuf)> = p
         .bwd_results()
@@ -370,7 +370,7 @@ fn c_api_cuda_launch_matches_handlers() {
         z: at("z"),
         dt_bias: at("dt_bias") as *const f32,
         initial_states: at("initial_states") as *const f32,
-        chunk_states: at("chunk_states") as *const f32,
+        chunk_states: at("chunk_states"),
         dy: at("dy"),
         dfinal_states: at("dfinal_states") as *const f32,
         dx: g("dx"),

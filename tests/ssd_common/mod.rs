@@ -155,6 +155,16 @@ impl SsdCase {
             && self.chunk_size.is_multiple_of(64)
     }
 
+    /// The dtype of chunk_states (docs/ssd.md; `xla_ssm_ssd_chunk_states_dtype`): the inputs' where
+    /// the tensor-core kernels run, else f32. Both targets take the same.
+    pub fn chunk_states_dt(&self) -> Dt {
+        if self.tensor_cores() {
+            self.dtype
+        } else {
+            Dt::F32
+        }
+    }
+
     /// Tolerance of the forward's f32 states on CUDA.
     pub fn cuda_states_tol(&self) -> Tol {
         if self.tensor_cores() {
@@ -348,16 +358,17 @@ impl SsdProblem {
             poisoned("final_states", Dt::F32, &self.state_dims()),
         ];
         if save {
-            rets.push(poisoned("chunk_states", Dt::F32, &self.chunk_dims()));
+            rets.push(poisoned("chunk_states", c.chunk_states_dt(), &self.chunk_dims()));
         }
         rets
     }
 
-    /// The backward's operands, with these chunk_states.
+    /// The backward's operands, with these chunk_states (in their dtype: values the forward
+    /// returned go back unchanged).
     pub fn bwd_operands(&self, chunk_states: &[f32]) -> Vec<Arr> {
         let c = &self.case;
         let mut ops = self.operands();
-        ops.push(arr("chunk_states", Dt::F32, &self.chunk_dims(), chunk_states));
+        ops.push(arr("chunk_states", c.chunk_states_dt(), &self.chunk_dims(), chunk_states));
         ops.push(arr("dy", c.dtype, &[c.batch, c.seqlen, c.heads, c.headdim], &self.dy));
         if let Some(v) = &self.dfinal {
             ops.push(arr("dfinal_states", Dt::F32, &self.state_dims(), v));
@@ -471,7 +482,10 @@ impl FwdOut {
         FwdOut {
             y: case.dtype.decode(&out[0]),
             final_states: Dt::F32.decode(&out[1]),
-            chunk_states: out.get(2).filter(|b| b.len() == case.chunk_len() * 4).map(|b| Dt::F32.decode(b)),
+            chunk_states: out
+                .get(2)
+                .filter(|b| b.len() == case.chunk_len() * case.chunk_states_dt().size())
+                .map(|b| case.chunk_states_dt().decode(b)),
         }
     }
 }
@@ -852,13 +866,14 @@ impl SsdProblem {
 
 // ------------------------------------------------------------------------------ checks
 
-/// Asserts the forward's results against the reference, the states within `states_tol`; returns the
-/// worst errors (y, states).
+/// Asserts the forward's results against the reference, the f32 states within `states_tol` (chunk
+/// states in T within T's); returns the worst errors (y, states).
 pub fn check_fwd(case: &SsdCase, want: &Fwd64, got: &FwdOut, states_tol: Tol) -> (Errors, Errors) {
     let ey = assert_close("y", case, &got.y, &want.y, case.dtype.tol());
     let es = assert_close("final_states", case, &got.final_states, &want.final_states, states_tol);
     if let Some(cs) = &got.chunk_states {
-        assert_close("chunk_states", case, cs, &want.chunk_states, states_tol);
+        let tol = if case.chunk_states_dt() == Dt::F32 { states_tol } else { case.dtype.tol() };
+        assert_close("chunk_states", case, cs, &want.chunk_states, tol);
     }
     (ey, es)
 }

@@ -87,6 +87,12 @@ def load() -> ctypes.CDLL:
             sizer.restype = ctypes.c_int64
             # (batch, seqlen, heads, headdim, dstate, groups, chunk_size, dtype code)
             sizer.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int32]
+        chunk_dtype = getattr(lib, "xla_ssm_ssd_chunk_states_dtype", None)
+        if chunk_dtype is None:
+            raise OSError(f"xla_ssm: {path} does not export xla_ssm_ssd_chunk_states_dtype")
+        chunk_dtype.restype = ctypes.c_int32
+        # (headdim, dstate, chunk_size, dtype code) -> dtype code
+        chunk_dtype.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int32]
         for target in TARGETS:
             done = []
             cpu = getattr(lib, target + "_cpu", None)

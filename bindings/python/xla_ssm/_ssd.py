@@ -35,7 +35,8 @@ CHUNK_SIZES = (32, 64, 128, 256)
 MAX_DSTATE = 256
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _F32 = jnp.dtype(jnp.float32)
-# C API dtype codes (XLA_SSM_F32, XLA_SSM_BF16, XLA_SSM_F16), for the workspace sizes.
+# C API dtype codes (XLA_SSM_F32, XLA_SSM_BF16, XLA_SSM_F16), for the workspace sizes and the
+# dtype of chunk_states.
 _DTYPE_CODE = {_FLOATS[0]: 0, _FLOATS[1]: 1, _FLOATS[2]: 2}
 
 
@@ -115,13 +116,17 @@ def _raw(call: _Call, *ops):
     batch, seqlen, heads, headdim = x.shape
     groups, dstate = B.shape[2], B.shape[3]
     lib = _lib.require(FWD if call.kind == "fwd" else BWD)
-    shape = (batch, seqlen, heads, headdim, dstate, groups, cfg.chunk_size, _DTYPE_CODE[jnp.dtype(x.dtype)])
+    code = _DTYPE_CODE[jnp.dtype(x.dtype)]
+    shape = (batch, seqlen, heads, headdim, dstate, groups, cfg.chunk_size, code)
     state = jax.ShapeDtypeStruct((batch, heads, headdim, dstate), _F32)
     n_chunks = -(-seqlen // cfg.chunk_size)
     if call.kind == "fwd":
         results = [jax.ShapeDtypeStruct(x.shape, x.dtype), state]
         if call.save_chunk_states:
-            results.append(jax.ShapeDtypeStruct((batch, heads, headdim, n_chunks, dstate), _F32))
+            # x's dtype where the tensor-core kernels run, else f32: the same on every platform
+            # and shard (it depends on headdim, dstate, chunk_size and the dtype only).
+            chunk_dtype = _FLOATS[lib.xla_ssm_ssd_chunk_states_dtype(headdim, dstate, cfg.chunk_size, code)]
+            results.append(jax.ShapeDtypeStruct((batch, heads, headdim, n_chunks, dstate), chunk_dtype))
         ws = lib.xla_ssm_ssd_fwd_workspace_bytes(*shape)
         return _ffi(FWD, results, ws, ops, _attrs(call))
     n = len(_param_roles(cfg))

@@ -1,11 +1,14 @@
 //! The CPU target: the generic path (mod.rs) with its scratch in plain vectors, the selective
 //! scan's CPU forward and backward, and the reductions back to heads in sequential, fixed order.
+//! chunk_states in T ([`super::plan::chunk_states_dtype`]) pass through an f32 copy: the scan's
+//! checkpoints are f32.
 
 use super::{scan_bwd, scan_fwd, Scratch, Ssd, SsdBwd, SsdParams};
 use crate::dtype::Element;
 use crate::error::Result;
 use crate::ops::{selective_scan, Platform};
 use crate::with_element_type;
+use crate::DType;
 use std::ffi::c_void;
 
 /// `n` elements at `p` (validation made them host arrays of at least that many; none when n = 0,
@@ -97,7 +100,22 @@ fn fwd_typed<T: Element>(ssd: &Ssd) -> Result<()> {
         scan_workspace: std::ptr::null_mut(),
         scan_workspace_bytes: 0,
     };
-    selective_scan::run_fwd(&scan_fwd(ssd, &scratch)?, Platform::Cpu)
+    let in_t = ssd.save_chunk_states && ssd.chunk_states_dtype() != DType::F32;
+    let len = ssd.params.chunk_states_len();
+    let mut checkpoints = vec![0f32; if in_t { len as usize } else { 0 }];
+    let mut run = *ssd;
+    if in_t {
+        run.params.chunk_states = checkpoints.as_mut_ptr() as *mut c_void;
+    }
+    selective_scan::run_fwd(&scan_fwd(&run, &scratch)?, Platform::Cpu)?;
+    if in_t {
+        // SAFETY: validated: chunk_states holds `len` elements of T.
+        let out = unsafe { slice_mut(ssd.params.chunk_states as *mut T, len) };
+        for (o, &v) in out.iter_mut().zip(&checkpoints) {
+            *o = T::from_f32(v);
+        }
+    }
+    Ok(())
 }
 
 pub(super) fn bwd(bwd: &SsdBwd) -> Result<()> {
@@ -125,7 +143,17 @@ fn bwd_typed<T: Element>(bwd: &SsdBwd) -> Result<()> {
         scan_workspace: std::ptr::null_mut(),
         scan_workspace_bytes: 0,
     };
-    selective_scan::run_bwd(&scan_bwd(bwd, &scratch)?, Platform::Cpu)?;
+    let mut run = *bwd;
+    let widened: Vec<f32> = if ssd.chunk_states_dtype() == DType::F32 {
+        Vec::new()
+    } else {
+        // SAFETY: validated: chunk_states holds this many elements of T.
+        unsafe { slice(p.chunk_states as *const T, p.chunk_states_len()) }.iter().map(|v| v.to_f32()).collect()
+    };
+    if !widened.is_empty() {
+        run.params.fwd.chunk_states = widened.as_ptr() as *mut c_void;
+    }
+    selective_scan::run_bwd(&scan_bwd(&run, &scratch)?, Platform::Cpu)?;
 
     let (hd, heads) = (p.headdim as usize, p.heads as usize);
     let transformed = ssd.transformed();

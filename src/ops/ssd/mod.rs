@@ -9,7 +9,8 @@
 //! channels in the channel-last layout: x, B, C, z, y, the states and their gradients already have
 //! the layouts of the scan's u, B, C, z, out and states (channel h * headdim + p reads group
 //! h / (heads / groups), as the scan's dim_per_group = (heads / groups) * headdim says), and
-//! chunk_states are its checkpoints with checkpoint_len = chunk_size. Only dt (broadcast over
+//! chunk_states are its checkpoints with checkpoint_len = chunk_size (f32; where
+//! [`plan::chunk_states_dtype`] says T, the CPU target converts). Only dt (broadcast over
 //! headdim into the scan's delta) and the per-head A, D and dt_bias are expanded to channels, in
 //! scratch ([`Scratch`]), and the scan's per-channel gradients of those summed back to heads.
 
@@ -49,8 +50,9 @@ pub struct SsdParams {
     pub initial_states: *const f32,
     pub y: *mut c_void,
     pub final_states: *mut f32,
-    /// (batch, heads, headdim, n_chunks, dstate) f32: the state entering each chunk.
-    pub chunk_states: *mut f32,
+    /// (batch, heads, headdim, n_chunks, dstate): the state entering each chunk, of
+    /// [`plan::chunk_states_dtype`] (T in the tensor-core kernels, f32 in the generic path).
+    pub chunk_states: *mut c_void,
     pub workspace: *mut c_void,
     pub workspace_bytes: i64,
     pub batch: i64,
@@ -126,6 +128,11 @@ impl SsdParams {
 
     pub fn n_chunks(&self) -> i64 {
         n_chunks(self.seqlen, self.chunk_size)
+    }
+
+    /// Elements of chunk_states.
+    pub fn chunk_states_len(&self) -> i64 {
+        self.batch * self.dim() * self.n_chunks() * self.dstate
     }
 
     /// Whether the clamp can change no dt: then the scan's delta is the raw dt (exact) and the
@@ -225,6 +232,14 @@ pub struct SsdBwd {
     pub has_dfinal_states: bool,
 }
 
+impl Ssd {
+    /// The element type of chunk_states ([`plan::chunk_states_dtype`]).
+    pub fn chunk_states_dtype(&self) -> DType {
+        let p = &self.params;
+        plan::chunk_states_dtype(self.dtype, p.headdim, p.dstate, p.chunk_size)
+    }
+}
+
 impl SsdBwd {
     /// The forward's view of this call (its inputs).
     pub fn inputs(&self) -> Ssd {
@@ -262,6 +277,7 @@ struct Checked {
     d_dims: Vec<i64>,
     state_dims: Vec<i64>,
     chunk_dims: Vec<i64>,
+    chunk_states_dtype: DType,
 }
 
 fn validate_chunk_size(op: &str, chunk_size: i64) -> Result<()> {
@@ -394,7 +410,19 @@ fn validate_inputs(op: &str, i: &Inputs) -> Result<Checked> {
         initial_states: i.initial_states.is_some(),
     };
     let chunk_dims = vec![batch, heads, headdim, n_chunks(seqlen, i.chunk_size), dstate];
-    Ok(Checked { params, dtype, present, x_dims: x.dims.clone(), dt_dims, bc_dims, d_dims, state_dims, chunk_dims })
+    let chunk_states_dtype = plan::chunk_states_dtype(dtype, headdim, dstate, i.chunk_size);
+    Ok(Checked {
+        params,
+        dtype,
+        present,
+        x_dims: x.dims.clone(),
+        dt_dims,
+        bc_dims,
+        d_dims,
+        state_dims,
+        chunk_dims,
+        chunk_states_dtype,
+    })
 }
 
 /// Each named tensor that is present has data (or is empty).
@@ -407,6 +435,25 @@ fn expect_nonnull_all(op: &str, kind: &str, named: &[(Option<&Tensor>, &str)]) -
     Ok(())
 }
 
+/// chunk_states' shape, and the dtype [`plan::chunk_states_dtype`] names (the message says why).
+fn expect_chunk_states(op: &str, kind: &str, t: &Tensor, k: &Checked) -> Result<()> {
+    let want = k.chunk_states_dtype;
+    if t.dtype == want || t.dims != k.chunk_dims {
+        return expect(t, &format!("{op}: {kind} `chunk_states`"), &k.chunk_dims, CHUNK_STATES_MEANING, &[want]);
+    }
+    let why = if want == DType::F32 {
+        "f32 unless the tensor-core kernels run"
+    } else {
+        "the inputs' dtype where the tensor-core kernels run (bf16/f16, headdim 64, dstate 64 or 128, \
+         chunk_size 64, 128 or 256)"
+    };
+    Err(Error::invalid(format!(
+        "{op}: {kind} `chunk_states`: expected dtype {} ({why}; xla_ssm_ssd_chunk_states_dtype), got {}",
+        want.name(),
+        t.dtype.name()
+    )))
+}
+
 /// Checks a forward call: the inputs, then y, final_states and chunk_states.
 pub fn validate_fwd(args: &FwdArgs) -> Result<Ssd> {
     let op = "ssd_fwd";
@@ -415,15 +462,14 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Ssd> {
     let what = format!("{op}: result `final_states`");
     expect(args.final_states, &what, &k.state_dims, STATES_MEANING, &[DType::F32])?;
     if let Some(t) = args.chunk_states {
-        let what = format!("{op}: result `chunk_states`");
-        expect(t, &what, &k.chunk_dims, CHUNK_STATES_MEANING, &[DType::F32])?;
+        expect_chunk_states(op, "result", t, &k)?;
     }
     let results = [(Some(args.y), "y"), (Some(args.final_states), "final_states"), (args.chunk_states, "chunk_states")];
     expect_nonnull_all(op, "result", &results)?;
     let params = SsdParams {
         y: args.y.data,
         final_states: args.final_states.data as *mut f32,
-        chunk_states: opt_mut(args.chunk_states) as *mut f32,
+        chunk_states: opt_mut(args.chunk_states),
         workspace: opt_mut(args.workspace),
         workspace_bytes: workspace_size(args.workspace),
         ..k.params
@@ -438,7 +484,7 @@ pub fn validate_bwd(args: &BwdArgs) -> Result<SsdBwd> {
     let k = validate_inputs(op, &args.inputs)?;
     let i = &args.inputs;
     let f32_ = DType::F32;
-    expect(args.chunk_states, &format!("{op}: operand `chunk_states`"), &k.chunk_dims, CHUNK_STATES_MEANING, &[f32_])?;
+    expect_chunk_states(op, "operand", args.chunk_states, &k)?;
     expect(args.dy, &format!("{op}: operand `dy`"), &k.x_dims, X_MEANING, &[k.dtype])?;
     if let Some(t) = args.dfinal_states {
         expect(t, &format!("{op}: operand `dfinal_states`"), &k.state_dims, STATES_MEANING, &[f32_])?;
@@ -502,7 +548,7 @@ pub fn validate_bwd(args: &BwdArgs) -> Result<SsdBwd> {
     )?;
     let params = SsdBwdParams {
         fwd: SsdParams {
-            chunk_states: args.chunk_states.data as *mut f32,
+            chunk_states: args.chunk_states.data,
             workspace: opt_mut(args.workspace),
             workspace_bytes: workspace_size(args.workspace),
             ..k.params
@@ -681,7 +727,7 @@ pub(crate) fn scan_fwd(ssd: &Ssd, s: &Scratch) -> Result<selective_scan::Fwd> {
     let final_state = tensor(DType::F32, &v.state_dims, p.final_states as *const c_void);
     let save = ssd.save_chunk_states;
     let checkpoint_len = if save { p.chunk_size } else { 0 };
-    let checkpoints = tensor(DType::F32, &[p.batch, p.dim(), p.n_chunks(), p.dstate], p.chunk_states as *const c_void);
+    let checkpoints = tensor(DType::F32, &[p.batch, p.dim(), p.n_chunks(), p.dstate], p.chunk_states);
     let workspace = byte_tensor(s.scan_workspace, s.scan_workspace_bytes);
     selective_scan::validate_fwd(&selective_scan::FwdArgs {
         inputs: v.inputs(),
@@ -702,7 +748,7 @@ pub(crate) fn scan_bwd(bwd: &SsdBwd, s: &Scratch) -> Result<selective_scan::Bwd>
     let v = ScanView::new(&ssd, s);
     let (t, f32_) = (ssd.dtype, DType::F32);
     let dim = p.dim();
-    let checkpoints = tensor(f32_, &[p.batch, dim, p.n_chunks(), p.dstate], p.chunk_states as *const c_void);
+    let checkpoints = tensor(f32_, &[p.batch, dim, p.n_chunks(), p.dstate], p.chunk_states);
     let dout = tensor(t, &v.x_dims, q.dy);
     let dfinal_state = tensor(f32_, &v.state_dims, q.dfinal_states as *const c_void);
     let du = tensor(t, &v.x_dims, q.dx);

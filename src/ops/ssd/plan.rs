@@ -4,6 +4,7 @@
 //! host can size the workspace before it knows the flags or the device.
 
 use crate::ops::selective_scan;
+use crate::DType;
 
 /// Alignment of each scratch array, and the slack the total keeps for an unaligned workspace.
 pub const ALIGN: i64 = 256;
@@ -148,14 +149,29 @@ pub const MMA_TILE: i64 = 64;
 /// Blocks the split aims for: two per SM of a 132-SM H100.
 const MMA_WAVE_BLOCKS: i64 = 264;
 
-/// Whether the tensor-core forward takes a call of this shape: 2-byte elements (bf16, f16),
+/// Whether the tensor-core kernels take a call of this shape: 2-byte elements (bf16, f16),
 /// headdim 64, dstate 64 or 128, chunks of whole tiles (its chunk states are written per tile).
+/// Depends on nothing else (not on batch, seqlen, heads or groups, which sharding splits).
 pub fn mma_applies(s: &Shape) -> bool {
     s.elem_bytes == 2
         && s.headdim == 64
         && (s.dstate == 64 || s.dstate == 128)
         && s.chunk_size % MMA_TILE == 0
         && s.chunk_size <= MMA_MAX_CHUNK
+}
+
+/// The element type of `chunk_states` (both targets, forward and backward): `dtype` (T) where the
+/// tensor-core kernels run, which save the states in T (half the bytes of f32 to write and keep,
+/// ~20 us of the forward at the main shape; as mma operands they are rounded to T anyway), else
+/// f32 (the selective scan's checkpoints). A function of these values alone, so that a forward's
+/// residuals suit either target and every sharding.
+pub fn chunk_states_dtype(dtype: DType, headdim: i64, dstate: i64, chunk_size: i64) -> DType {
+    let s = Shape { headdim, dstate, chunk_size, elem_bytes: dtype.size_bytes(), ..Shape::default() };
+    if mma_applies(&s) {
+        dtype
+    } else {
+        DType::F32
+    }
 }
 
 /// The largest chunk the backward's head sums take (kernels/ssd_bwd.cu: `kMsumTasks`, and its
