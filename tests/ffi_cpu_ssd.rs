@@ -194,20 +194,16 @@ impl Fixture {
     }
 
     fn fwd() -> Fixture {
-        let p = Fixture::problem();
-        Fixture {
-            handler: xla_ssm_ssd_fwd_cpu,
-            op: "ssd_fwd",
-            args: p.operands(),
-            rets: p.fwd_results(true),
-            attrs: p.fwd_attrs(true),
-        }
+        Fixture::fwd_of(&Fixture::problem())
     }
 
     /// The forward at a shape the tensor-core kernels take (bf16, headdim 64, dstate 64, chunk 64).
     fn tensor_core_fwd() -> Fixture {
         let case = SsdCase { dtype: Dt::BF16, ..SsdCase::new(1, 70, 2, 64, 64) };
-        let p = SsdProblem::random(&case, false);
+        Fixture::fwd_of(&SsdProblem::random(&case, false))
+    }
+
+    fn fwd_of(p: &SsdProblem) -> Fixture {
         Fixture {
             handler: xla_ssm_ssd_fwd_cpu,
             op: "ssd_fwd",
