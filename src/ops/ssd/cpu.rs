@@ -143,14 +143,15 @@ fn bwd_typed<T: Element>(bwd: &SsdBwd) -> Result<()> {
         scan_workspace: std::ptr::null_mut(),
         scan_workspace_bytes: 0,
     };
-    let mut run = *bwd;
-    let widened: Vec<f32> = if ssd.chunk_states_dtype() == DType::F32 {
-        Vec::new()
-    } else {
+    let in_t = ssd.chunk_states_dtype() != DType::F32;
+    let widened: Vec<f32> = if in_t {
         // SAFETY: validated: chunk_states holds this many elements of T.
         unsafe { slice(p.chunk_states as *const T, p.chunk_states_len()) }.iter().map(|v| v.to_f32()).collect()
+    } else {
+        Vec::new()
     };
-    if !widened.is_empty() {
+    let mut run = *bwd;
+    if in_t {
         run.params.fwd.chunk_states = widened.as_ptr() as *mut c_void;
     }
     selective_scan::run_bwd(&scan_bwd(&run, &scratch)?, Platform::Cpu)?;

@@ -135,6 +135,11 @@ impl SsdParams {
         self.batch * self.dim() * self.n_chunks() * self.dstate
     }
 
+    /// The element type of chunk_states for inputs of `dtype` ([`plan::chunk_states_dtype`]).
+    pub fn chunk_states_dtype(&self, dtype: DType) -> DType {
+        plan::chunk_states_dtype(dtype, self.headdim, self.dstate, self.chunk_size)
+    }
+
     /// Whether the clamp can change no dt: then the scan's delta is the raw dt (exact) and the
     /// scan applies the bias and softplus itself. It cannot when neither limit is finite, or when
     /// softplus makes dt >= 0 >= dt_min.
@@ -235,8 +240,7 @@ pub struct SsdBwd {
 impl Ssd {
     /// The element type of chunk_states ([`plan::chunk_states_dtype`]).
     pub fn chunk_states_dtype(&self) -> DType {
-        let p = &self.params;
-        plan::chunk_states_dtype(self.dtype, p.headdim, p.dstate, p.chunk_size)
+        self.params.chunk_states_dtype(self.dtype)
     }
 }
 
@@ -277,7 +281,6 @@ struct Checked {
     d_dims: Vec<i64>,
     state_dims: Vec<i64>,
     chunk_dims: Vec<i64>,
-    chunk_states_dtype: DType,
 }
 
 fn validate_chunk_size(op: &str, chunk_size: i64) -> Result<()> {
@@ -410,19 +413,7 @@ fn validate_inputs(op: &str, i: &Inputs) -> Result<Checked> {
         initial_states: i.initial_states.is_some(),
     };
     let chunk_dims = vec![batch, heads, headdim, n_chunks(seqlen, i.chunk_size), dstate];
-    let chunk_states_dtype = plan::chunk_states_dtype(dtype, headdim, dstate, i.chunk_size);
-    Ok(Checked {
-        params,
-        dtype,
-        present,
-        x_dims: x.dims.clone(),
-        dt_dims,
-        bc_dims,
-        d_dims,
-        state_dims,
-        chunk_dims,
-        chunk_states_dtype,
-    })
+    Ok(Checked { params, dtype, present, x_dims: x.dims.clone(), dt_dims, bc_dims, d_dims, state_dims, chunk_dims })
 }
 
 /// Each named tensor that is present has data (or is empty).
@@ -437,7 +428,7 @@ fn expect_nonnull_all(op: &str, kind: &str, named: &[(Option<&Tensor>, &str)]) -
 
 /// chunk_states' shape, and the dtype [`plan::chunk_states_dtype`] names (the message says why).
 fn expect_chunk_states(op: &str, kind: &str, t: &Tensor, k: &Checked) -> Result<()> {
-    let want = k.chunk_states_dtype;
+    let want = k.params.chunk_states_dtype(k.dtype);
     if t.dtype == want || t.dims != k.chunk_dims {
         return expect(t, &format!("{op}: {kind} `chunk_states`"), &k.chunk_dims, CHUNK_STATES_MEANING, &[want]);
     }
