@@ -213,9 +213,12 @@ typedef struct XlaSsmSsdFwdArgs {
   // (batch, heads, headdim, dstate) f32.
   float *final_states;
   // (batch, heads, headdim, ceil(seqlen / chunk_size), dstate), optional: the state entering
-  // each chunk, which the backward needs. Of the dtype [`xla_ssm_ssd_chunk_states_dtype`] names:
-  // `dtype` where the tensor-core kernels run, else f32.
+  // each chunk, which the backward needs.
   void *chunk_states;
+  // dtype of `chunk_states`, ignored where it is NULL. Must be the one
+  // [`xla_ssm_ssd_chunk_states_dtype`] names (`dtype` where the tensor-core kernels run, else
+  // f32): any other is refused, so a buffer sized for another dtype is never written past.
+  XlaSsmDtype chunk_states_dtype;
   // Device scratch of at least [`xla_ssm_ssd_fwd_workspace_bytes`] bytes: required by the CUDA
   // forward, unused on the host.
   void *workspace;
@@ -248,8 +251,10 @@ typedef struct XlaSsmSsdBwdArgs {
   const void *z;
   const float *dt_bias;
   const float *initial_states;
-  // The forward's chunk_states, made with the same chunk_size (dtype as in the forward).
+  // The forward's chunk_states, made with the same chunk_size.
   const void *chunk_states;
+  // dtype of `chunk_states`: as in the forward ([`xla_ssm_ssd_chunk_states_dtype`]).
+  XlaSsmDtype chunk_states_dtype;
   // Cotangent of y (like x).
   const void *dy;
   // Cotangent of final_states, optional.

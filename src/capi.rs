@@ -683,9 +683,12 @@ pub struct XlaSsmSsdFwdArgs {
     /// (batch, heads, headdim, dstate) f32.
     pub final_states: *mut f32,
     /// (batch, heads, headdim, ceil(seqlen / chunk_size), dstate), optional: the state entering
-    /// each chunk, which the backward needs. Of the dtype [`xla_ssm_ssd_chunk_states_dtype`] names:
-    /// `dtype` where the tensor-core kernels run, else f32.
+    /// each chunk, which the backward needs.
     pub chunk_states: *mut c_void,
+    /// dtype of `chunk_states`, ignored where it is NULL. Must be the one
+    /// [`xla_ssm_ssd_chunk_states_dtype`] names (`dtype` where the tensor-core kernels run, else
+    /// f32): any other is refused, so a buffer sized for another dtype is never written past.
+    pub chunk_states_dtype: XlaSsmDtype,
     /// Device scratch of at least [`xla_ssm_ssd_fwd_workspace_bytes`] bytes: required by the CUDA
     /// forward, unused on the host.
     pub workspace: *mut c_void,
@@ -719,8 +722,10 @@ pub struct XlaSsmSsdBwdArgs {
     pub z: *const c_void,
     pub dt_bias: *const f32,
     pub initial_states: *const f32,
-    /// The forward's chunk_states, made with the same chunk_size (dtype as in the forward).
+    /// The forward's chunk_states, made with the same chunk_size.
     pub chunk_states: *const c_void,
+    /// dtype of `chunk_states`: as in the forward ([`xla_ssm_ssd_chunk_states_dtype`]).
+    pub chunk_states_dtype: XlaSsmDtype,
     /// Cotangent of y (like x).
     pub dy: *const c_void,
     /// Cotangent of final_states, optional.
@@ -749,8 +754,6 @@ struct SsdDescribed {
     d_dims: Vec<i64>,
     state_dims: Vec<i64>,
     chunk_dims: Vec<i64>,
-    /// What the call's chunk_states hold ([`xla_ssm_ssd_chunk_states_dtype`]).
-    chunk_states_dtype: DType,
     x: Tensor,
     dt: Tensor,
     a: Tensor,
@@ -780,7 +783,6 @@ macro_rules! describe_ssd {
         let state_dims = vec![batch, heads, headdim, dstate];
         let chunks = crate::ops::ssd::n_chunks(seqlen, a.chunk_size);
         let chunk_dims = vec![batch, heads, headdim, chunks, dstate];
-        let chunk_states_dtype = crate::ops::ssd::plan::chunk_states_dtype(dtype, headdim, dstate, a.chunk_size);
         let t = Described::tensor;
         let f32_at = |dims: &[i64], p: *const f32| t(DType::F32, dims, p as *const c_void);
         SsdDescribed {
@@ -804,7 +806,6 @@ macro_rules! describe_ssd {
             d_dims,
             state_dims,
             chunk_dims,
-            chunk_states_dtype,
         }
     }};
 }
@@ -838,7 +839,7 @@ fn ssd_fwd(args: *const XlaSsmSsdFwdArgs, platform: Platform) -> crate::error::R
     let t = Described::tensor;
     let y = t(k.dtype, &k.x_dims, a.y);
     let final_states = t(DType::F32, &k.state_dims, a.final_states as *const c_void);
-    let chunk_states = t(k.chunk_states_dtype, &k.chunk_dims, a.chunk_states);
+    let chunk_states = t(chunk_states_dtype(op, a.chunk_states_dtype, a.chunk_states)?, &k.chunk_dims, a.chunk_states);
     let workspace = workspace(a.workspace, a.workspace_bytes);
     let ssd = validate_fwd(&FwdArgs {
         inputs: k.inputs(),
@@ -858,7 +859,7 @@ fn ssd_bwd(args: *const XlaSsmSsdBwdArgs, platform: Platform) -> crate::error::R
     let k = describe_ssd!(op, a);
     let t = Described::tensor;
     let f32_at = |dims: &[i64], p: *const f32| t(DType::F32, dims, p as *const c_void);
-    let chunk_states = t(k.chunk_states_dtype, &k.chunk_dims, a.chunk_states);
+    let chunk_states = t(chunk_states_dtype(op, a.chunk_states_dtype, a.chunk_states)?, &k.chunk_dims, a.chunk_states);
     let dy = t(k.dtype, &k.x_dims, a.dy);
     let dfinal_states = f32_at(&k.state_dims, a.dfinal_states);
     let (dx, ddt) = (t(k.dtype, &k.x_dims, a.dx), t(k.dtype, &k.dt_dims, a.ddt));
@@ -886,6 +887,15 @@ fn ssd_bwd(args: *const XlaSsmSsdBwdArgs, platform: Platform) -> crate::error::R
         workspace: some(&workspace),
     })?;
     run_bwd(&bwd, platform)
+}
+
+/// The dtype a caller declares for `chunk_states`; validation then holds it to the rule
+/// ([`xla_ssm_ssd_chunk_states_dtype`]). Where the pointer is NULL the field is unused (any value).
+fn chunk_states_dtype<P>(op: &str, code: XlaSsmDtype, ptr: *const P) -> crate::error::Result<DType> {
+    if ptr.is_null() {
+        return Ok(DType::F32);
+    }
+    dtype_of(op, code, "chunk_states_dtype")
 }
 
 /// The workspace-sizing shape, or None for an unknown dtype code.

@@ -497,15 +497,23 @@ fn chunk_states_dtype() {
 
 #[test]
 fn c_api_host_matches_handlers() {
-    for (dtype, d, limit) in [(Dt::F32, DForm::PerHead, (0.0, f32::INFINITY)), (Dt::BF16, DForm::PerChannel, CLAMP)] {
-        let case = SsdCase {
-            dtype,
-            d,
-            dt_limit: limit,
-            groups: 2,
-            chunk_size: 32,
-            ..SsdCase::new(2, 70, 4, 6, 8).all_optional()
-        };
+    let small = |dtype, d, dt_limit| SsdCase {
+        dtype,
+        d,
+        dt_limit,
+        groups: 2,
+        chunk_size: 32,
+        ..SsdCase::new(2, 70, 4, 6, 8).all_optional()
+    };
+    // The last has chunk_states in T (the tensor-core shapes' rule).
+    let cases = [
+        small(Dt::F32, DForm::PerHead, (0.0, f32::INFINITY)),
+        small(Dt::BF16, DForm::PerChannel, CLAMP),
+        SsdCase { dtype: Dt::F16, d: DForm::PerHead, ..SsdCase::new(1, 70, 2, 64, 64).all_optional() },
+    ];
+    for case in cases {
+        let (dtype, d, limit) = (case.dtype, case.d, case.dt_limit);
+        let cs_dt = case.chunk_states_dt();
         let p = SsdProblem::random(&case, true);
         let want_fwd = p.run_fwd_cpu(true).unwrap();
         let cs = want_fwd.chunk_states.clone().unwrap();
@@ -531,16 +539,18 @@ fn c_api_host_matches_handlers() {
         );
         let mut y = HostBuf::from_bytes(&dtype.nans(case.x_len()));
         let mut fin = vec![f32::NAN; case.state_len()];
-        let mut cs_out = vec![f32::NAN; case.chunk_len()];
+        let mut cs_out = HostBuf::from_bytes(&cs_dt.nans(case.chunk_len()));
         let code = dtype.capi();
+        let sizes = [case.batch, case.seqlen, case.heads, case.headdim, case.dstate, case.groups, case.chunk_size];
+        let [batch, seqlen, heads, headdim, dstate, groups, chunk_size] = sizes.map(|n| n as i64);
         let fwd_args = XlaSsmSsdFwdArgs {
-            batch: 2,
-            seqlen: 70,
-            heads: 4,
-            headdim: 6,
-            dstate: 8,
-            groups: 2,
-            chunk_size: 32,
+            batch,
+            seqlen,
+            heads,
+            headdim,
+            dstate,
+            groups,
+            chunk_size,
             dtype: code,
             d_per_channel: d == DForm::PerChannel,
             dt_softplus: true,
@@ -557,7 +567,8 @@ fn c_api_host_matches_handlers() {
             initial_states: h0 as *const f32,
             y: y.ptr(),
             final_states: fin.as_mut_ptr(),
-            chunk_states: cs_out.as_mut_ptr() as *mut c_void,
+            chunk_states: cs_out.ptr(),
+            chunk_states_dtype: cs_dt.capi(),
             workspace: std::ptr::null_mut(),
             workspace_bytes: 0,
         };
@@ -565,23 +576,23 @@ fn c_api_host_matches_handlers() {
         assert_eq!(unsafe { xla_ssm_ssd_fwd_host(&fwd_args) }, XLA_SSM_OK);
         assert_eq!(dtype.decode(y.bytes()), want_fwd.y);
         assert_eq!(fin, want_fwd.final_states);
-        assert_eq!(cs_out, cs);
+        assert_eq!(cs_dt.decode(cs_out.bytes()), cs);
 
         let mut dx = HostBuf::from_bytes(&dtype.nans(case.x_len()));
         let mut ddt = HostBuf::from_bytes(&dtype.nans(case.dt_len()));
         let mut db = HostBuf::from_bytes(&dtype.nans(case.bc_len()));
         let mut dc = HostBuf::from_bytes(&dtype.nans(case.bc_len()));
         let mut dzb = HostBuf::from_bytes(&dtype.nans(case.x_len()));
-        let (mut da, mut ddv) = (vec![f32::NAN; 4], vec![f32::NAN; case.d_len()]);
-        let (mut dbias, mut dh0) = (vec![f32::NAN; 4], vec![f32::NAN; case.state_len()]);
+        let (mut da, mut ddv) = (vec![f32::NAN; case.heads], vec![f32::NAN; case.d_len()]);
+        let (mut dbias, mut dh0) = (vec![f32::NAN; case.heads], vec![f32::NAN; case.state_len()]);
         let bwd_args = XlaSsmSsdBwdArgs {
-            batch: 2,
-            seqlen: 70,
-            heads: 4,
-            headdim: 6,
-            dstate: 8,
-            groups: 2,
-            chunk_size: 32,
+            batch,
+            seqlen,
+            heads,
+            headdim,
+            dstate,
+            groups,
+            chunk_size,
             dtype: code,
             d_per_channel: d == DForm::PerChannel,
             dt_softplus: true,
@@ -597,6 +608,7 @@ fn c_api_host_matches_handlers() {
             dt_bias: bias as *const f32,
             initial_states: h0 as *const f32,
             chunk_states: csp as *const c_void,
+            chunk_states_dtype: cs_dt.capi(),
             dy,
             dfinal_states: dfinal as *const f32,
             dx: dx.ptr(),
@@ -638,6 +650,24 @@ fn c_api_host_matches_handlers() {
         assert_eq!(unsafe { xla_ssm_ssd_fwd_host(&bad) }, XLA_SSM_INVALID_ARGUMENT);
         let msg = unsafe { std::ffi::CStr::from_ptr(xla_ssm_last_error()) }.to_string_lossy().into_owned();
         assert!(msg.contains("`y`") && msg.contains("null"), "{msg}");
+        // A chunk_states buffer of another dtype than the rule's is refused, in both directions,
+        // and an unknown code is named; without chunk_states the forward ignores the field.
+        let other = if cs_dt == Dt::F32 { Dt::BF16 } else { Dt::F32 };
+        bad = XlaSsmSsdFwdArgs { chunk_states_dtype: other.capi(), ..fwd_args };
+        assert_eq!(unsafe { xla_ssm_ssd_fwd_host(&bad) }, XLA_SSM_INVALID_ARGUMENT);
+        let msg = unsafe { std::ffi::CStr::from_ptr(xla_ssm_last_error()) }.to_string_lossy().into_owned();
+        let want = format!("expected dtype {}", if cs_dt == Dt::F32 { "f32" } else { "f16" });
+        assert!(msg.starts_with("ssd_fwd") && msg.contains("`chunk_states`") && msg.contains(&want), "{msg}");
+        let bad_bwd = XlaSsmSsdBwdArgs { chunk_states_dtype: other.capi(), ..bwd_args };
+        assert_eq!(unsafe { xla_ssm_ssd_bwd_host(&bad_bwd) }, XLA_SSM_INVALID_ARGUMENT);
+        let msg = unsafe { std::ffi::CStr::from_ptr(xla_ssm_last_error()) }.to_string_lossy().into_owned();
+        assert!(msg.starts_with("ssd_bwd") && msg.contains("`chunk_states`") && msg.contains(&want), "{msg}");
+        bad = XlaSsmSsdFwdArgs { chunk_states_dtype: 9, ..fwd_args };
+        assert_eq!(unsafe { xla_ssm_ssd_fwd_host(&bad) }, XLA_SSM_INVALID_ARGUMENT);
+        let msg = unsafe { std::ffi::CStr::from_ptr(xla_ssm_last_error()) }.to_string_lossy().into_owned();
+        assert!(msg.contains("`chunk_states_dtype`") && msg.contains("unknown dtype code 9"), "{msg}");
+        bad = XlaSsmSsdFwdArgs { chunk_states: std::ptr::null_mut(), chunk_states_dtype: 9, ..fwd_args };
+        assert_eq!(unsafe { xla_ssm_ssd_fwd_host(&bad) }, XLA_SSM_OK);
         let bad_bwd = XlaSsmSsdBwdArgs { dd: std::ptr::null_mut(), ..bwd_args };
         assert_eq!(unsafe { xla_ssm_ssd_bwd_host(&bad_bwd) }, XLA_SSM_INVALID_ARGUMENT);
         let msg = unsafe { std::ffi::CStr::from_ptr(xla_ssm_last_error()) }.to_string_lossy().into_owned();

@@ -275,21 +275,29 @@ fn misaligned_workspace() {
     assert_eq!(case.dtype.decode(&drets[0].download()), want.y);
 }
 
-/// The C API's CUDA entry points give the handlers' bits.
+/// The C API's CUDA entry points give the handlers' bits, on the generic path (f32 chunk states)
+/// and on the tensor-core one (chunk states in T).
 #[test]
 fn c_api_cuda_launch_matches_handlers() {
     if !gpu() {
         return;
     }
     let stream = Stream::new();
-    let case = SsdCase {
+    let generic = SsdCase {
         groups: 2,
         d: DForm::PerChannel,
         dt_limit: CLAMP,
         dtype: Dt::BF16,
         ..SsdCase::new(2, 90, 4, 8, 16).all_optional()
     };
-    let p = SsdProblem::random(&case, true);
+    let tensor_cores = SsdCase { dtype: Dt::BF16, ..SsdCase::new(1, 130, 2, 64, 64).all_optional() };
+    for case in [generic, tensor_cores] {
+        c_api_cuda_case(&case, &stream);
+    }
+}
+
+fn c_api_cuda_case(case: &SsdCase, stream: &Stream) {
+    let p = SsdProblem::random(case, true);
     let want_fwd = gpu_fwd(&p, stream.ptr()).unwrap();
     let cs = want_fwd.chunk_states.clone().unwrap();
     let want = gpu_bwd(&p, &cs, stream.ptr()).unwrap();
@@ -300,22 +308,25 @@ fn c_api_cuda_launch_matches_handlers() {
     let t = case.dtype;
     let y = DevBuf::upload(&t.nans(case.x_len()));
     let fin = DevBuf::upload(&Dt::F32.nans(case.state_len()));
-    let cs_out = DevBuf::upload(&case.chunk_states_dt().nans(case.chunk_len()));
-    let wsf = DevBuf::upload(&vec![0xffu8; fwd_bytes(&case) as usize]);
+    let cs_dt = case.chunk_states_dt();
+    let cs_out = DevBuf::upload(&cs_dt.nans(case.chunk_len()));
+    let wsf = DevBuf::upload(&vec![0xffu8; fwd_bytes(case) as usize]);
     result::ctx::synchronize().unwrap();
+    let sizes = [case.batch, case.seqlen, case.heads, case.headdim, case.dstate, case.groups, case.chunk_size];
+    let [batch, seqlen, heads, headdim, dstate, groups, chunk_size] = sizes.map(|n| n as i64);
     let fwd_args = XlaSsmSsdFwdArgs {
-        batch: 2,
-        seqlen: 90,
-        heads: 4,
-        headdim: 8,
-        dstate: 16,
-        groups: 2,
-        chunk_size: 64,
+        batch,
+        seqlen,
+        heads,
+        headdim,
+        dstate,
+        groups,
+        chunk_size,
         dtype: t.capi(),
-        d_per_channel: true,
-        dt_softplus: true,
-        dt_min: CLAMP.0,
-        dt_max: CLAMP.1,
+        d_per_channel: case.d == DForm::PerChannel,
+        dt_softplus: case.softplus,
+        dt_min: case.dt_limit.0,
+        dt_max: case.dt_limit.1,
         x: at("x"),
         dt: at("dt"),
         a: at("A") as *const f32,
@@ -328,6 +339,7 @@ fn c_api_cuda_launch_matches_handlers() {
         y: y.data(),
         final_states: fin.data() as *mut f32,
         chunk_states: cs_out.data(),
+        chunk_states_dtype: cs_dt.capi(),
         workspace: wsf.data(),
         workspace_bytes: wsf.len as i64,
     };
@@ -335,7 +347,7 @@ fn c_api_cuda_launch_matches_handlers() {
     assert_eq!(unsafe { xla_ssm_ssd_fwd_cuda_launch(&fwd_args, stream.ptr()) }, XLA_SSM_OK);
     synchronize(stream.ptr());
     assert_eq!(t.decode(&y.download()), want_fwd.y);
-    assert_eq!(case.chunk_states_dt().decode(&cs_out.download()), cs);
+    assert_eq!(cs_dt.decode(&cs_out.download()), cs, "{case:?}");
 
     let grads: Vec<(Arr, DevBuf)> = p
         .bwd_results()
@@ -346,21 +358,21 @@ fn c_api_cuda_launch_matches_handlers() {
         })
         .collect();
     let g = |n: &str| grads.iter().find(|(a, _)| a.name == n).unwrap().1.data();
-    let wsb = DevBuf::upload(&vec![0xffu8; bwd_bytes(&case) as usize]);
+    let wsb = DevBuf::upload(&vec![0xffu8; bwd_bytes(case) as usize]);
     result::ctx::synchronize().unwrap();
     let bwd_args = XlaSsmSsdBwdArgs {
-        batch: 2,
-        seqlen: 90,
-        heads: 4,
-        headdim: 8,
-        dstate: 16,
-        groups: 2,
-        chunk_size: 64,
+        batch,
+        seqlen,
+        heads,
+        headdim,
+        dstate,
+        groups,
+        chunk_size,
         dtype: t.capi(),
-        d_per_channel: true,
-        dt_softplus: true,
-        dt_min: CLAMP.0,
-        dt_max: CLAMP.1,
+        d_per_channel: case.d == DForm::PerChannel,
+        dt_softplus: case.softplus,
+        dt_min: case.dt_limit.0,
+        dt_max: case.dt_limit.1,
         x: at("x"),
         dt: at("dt"),
         a: at("A") as *const f32,
@@ -371,6 +383,7 @@ fn c_api_cuda_launch_matches_handlers() {
         dt_bias: at("dt_bias") as *const f32,
         initial_states: at("initial_states") as *const f32,
         chunk_states: at("chunk_states"),
+        chunk_states_dtype: cs_dt.capi(),
         dy: at("dy"),
         dfinal_states: at("dfinal_states") as *const f32,
         dx: g("dx"),
@@ -390,11 +403,16 @@ fn c_api_cuda_launch_matches_handlers() {
     synchronize(stream.ptr());
     let rets: Vec<Arr> = grads.iter().map(|(a, _)| a.clone()).collect();
     let out: Vec<Vec<u8>> = grads.iter().map(|(_, d)| d.download()).collect();
-    assert!(Grads::decode(&rets, &out).bits() == want.bits(), "C API backward differs from the handler");
+    assert!(Grads::decode(&rets, &out).bits() == want.bits(), "C API backward differs from the handler: {case:?}");
 
-    // Too small a workspace: refused, nothing launched.
+    // Too small a workspace, or chunk_states declared in another dtype: refused, nothing launched.
     let small = XlaSsmSsdBwdArgs { workspace_bytes: wsb.len as i64 - 1, ..bwd_args };
     assert_eq!(unsafe { xla_ssm_ssd_bwd_cuda_launch(&small, stream.ptr()) }, XLA_SSM_INVALID_ARGUMENT);
     let msg = unsafe { std::ffi::CStr::from_ptr(xla_ssm_last_error()) }.to_string_lossy().into_owned();
     assert!(msg.starts_with("ssd_bwd") && msg.contains("`workspace`"), "{msg}");
+    let other = if cs_dt == Dt::F32 { t } else { Dt::F32 };
+    let wrong = XlaSsmSsdFwdArgs { chunk_states_dtype: other.capi(), ..fwd_args };
+    assert_eq!(unsafe { xla_ssm_ssd_fwd_cuda_launch(&wrong, stream.ptr()) }, XLA_SSM_INVALID_ARGUMENT);
+    let msg = unsafe { std::ffi::CStr::from_ptr(xla_ssm_last_error()) }.to_string_lossy().into_owned();
+    assert!(msg.starts_with("ssd_fwd") && msg.contains("`chunk_states`"), "{msg}");
 }

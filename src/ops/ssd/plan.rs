@@ -131,17 +131,10 @@ pub fn fwd_workspace_bytes(s: &Shape) -> i64 {
     sane(s).map_or(0, |s| if mma_applies(&s) { mma_fwd_bytes(&s) } else { fwd_layout(&s).bytes })
 }
 
-/// Bytes of workspace the CUDA backward needs: where the tensor-core kernel applies, enough for it and
-/// for the generic path (taken with z, which the sizes do not know about).
+/// Bytes of workspace the CUDA backward needs: the tensor-core kernels' where they apply (with or
+/// without z), else the generic path's, which is far larger (its selective scan's per-channel scratch).
 pub fn bwd_workspace_bytes(s: &Shape) -> i64 {
-    sane(s).map_or(0, |s| {
-        let generic = bwd_layout(&s).bytes;
-        if mma_applies(&s) {
-            generic.max(mma_bwd_layout(&s).bytes)
-        } else {
-            generic
-        }
-    })
+    sane(s).map_or(0, |s| if mma_applies(&s) { mma_bwd_layout(&s).bytes } else { bwd_layout(&s).bytes })
 }
 
 /// Steps per tile of the tensor-core forward (kernels/ssd_fwd.cu).
@@ -408,5 +401,30 @@ mod tests {
         }
         // One head per group: one head range.
         assert_eq!(mma_bwd_layout(&Shape { groups: 6, ..few }).msum_split, 1);
+    }
+
+    /// The workspace functions size for the path that runs: where the tensor-core kernels apply the
+    /// CUDA target never falls back to the generic path (misaligned operands are refused), so its
+    /// far larger scratch is not asked for.
+    #[test]
+    fn workspaces_are_sized_for_the_path_that_runs() {
+        let main = Shape {
+            batch: 8,
+            seqlen: 2048,
+            heads: 64,
+            headdim: 64,
+            dstate: 128,
+            groups: 1,
+            chunk_size: 256,
+            elem_bytes: 2,
+        };
+        assert!(mma_applies(&main));
+        assert_eq!(bwd_workspace_bytes(&main), mma_bwd_layout(&main).bytes);
+        assert_eq!(fwd_workspace_bytes(&main), mma_fwd_bytes(&main));
+        assert!(bwd_workspace_bytes(&main) < bwd_layout(&main).bytes / 10);
+        let generic = Shape { headdim: 48, ..main };
+        assert!(!mma_applies(&generic));
+        assert_eq!(bwd_workspace_bytes(&generic), bwd_layout(&generic).bytes);
+        assert_eq!(fwd_workspace_bytes(&generic), fwd_layout(&generic).bytes);
     }
 }
