@@ -158,7 +158,7 @@ fn kernels(out: &Path) {
 /// Compiled fatbins kept between runs of this script, by a hash of everything nvcc reads. `cargo
 /// clippy` and `cargo build` / `cargo test` each run the script in an OUT_DIR of their own (clippy's
 /// wrapper changes its fingerprint); without the cache each ran nvcc over every kernel again (~12 min
-/// of CI's 2 cores). It lives in <target>/<profile>/, so `cargo clean` empties it.
+/// of CI's 2 cores). It lives in <target>/, shared by every profile, so `cargo clean` empties it.
 struct FatbinCache {
     dir: PathBuf,
 }
@@ -168,8 +168,9 @@ impl FatbinCache {
     const KEEP: usize = 4;
 
     fn new(out: &Path) -> Self {
-        // OUT_DIR is <target>/<profile>/build/<package>-<hash>/out.
-        let dir = out.ancestors().nth(3).expect("OUT_DIR has the layout cargo gives it").join("xla-ssm-fatbins");
+        // OUT_DIR is <target>/<profile>/build/<package>-<hash>/out. One cache for every profile: the
+        // fatbins depend on the key's inputs only, so a debug build reuses the release build's.
+        let dir = out.ancestors().nth(4).expect("OUT_DIR has the layout cargo gives it").join("xla-ssm-fatbins");
         std::fs::create_dir_all(&dir).expect("creating the fatbin cache");
         FatbinCache { dir }
     }

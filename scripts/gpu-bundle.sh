@@ -15,7 +15,7 @@ cargo build --release
 rm -rf .bundle && mkdir -p .bundle/tests
 cp "${CARGO_TARGET_DIR:-target}/release/libxla_ssm.so" .bundle/
 # Every integration-test executable, named after its test file.
-cargo test --release --no-run --message-format=json 2>/dev/null | python3 -c '
+cargo test --release --no-run --test '*' --message-format=json 2>/dev/null | python3 -c '
 import json, shutil, sys
 wanted = sys.argv[1].split()
 for line in sys.stdin:

@@ -731,28 +731,68 @@ pub(super) fn in_parallel(threads: usize, floats: usize, work: impl Fn(&mut [f32
     });
 }
 
-fn worker<T: Io, TB: Io>(isa: Isa, ctx: &Ctx<T, TB>, plan: &Plan, next: &AtomicUsize, scratch: &mut [f32]) {
-    // SAFETY (both unsafe calls): `Isa::detect` saw the features these functions are compiled for.
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { worker_avx512(ctx, plan, next, scratch) },
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { worker_avx2(ctx, plan, next, scratch) },
-        Isa::Portable => segments::<T, TB, 8, false>(ctx, plan, next, scratch),
-    }
-}
+/// Defines `fn worker<T, TB>(isa, ctx, plan, next, scratch)`, which runs `$body::<T, TB, lanes, fma>`
+/// (an `#[inline(always)]` loop over the work) compiled for the CPU's instruction set. Each set's
+/// copy lives in a module of its own because rustc makes one codegen unit per module: the copies
+/// (fully inlined, ~150 kB of code each in the backward) are then optimized in parallel. In one
+/// module they were one unit, compiled on one core for most of the crate's ~15 min release build.
+macro_rules! isa_workers {
+    ($body:ident) => {
+        fn worker<T: Io, TB: Io>(isa: Isa, ctx: &Ctx<T, TB>, plan: &Plan, next: &AtomicUsize, scratch: &mut [f32]) {
+            // SAFETY (both unsafe calls): `Isa::detect` saw the features these functions are compiled for.
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => unsafe { avx512::worker(ctx, plan, next, scratch) },
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => unsafe { avx2::worker(ctx, plan, next, scratch) },
+                Isa::Portable => portable::worker(ctx, plan, next, scratch),
+            }
+        }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-fn worker_avx512<T: Io, TB: Io>(ctx: &Ctx<T, TB>, plan: &Plan, next: &AtomicUsize, scratch: &mut [f32]) {
-    segments::<T, TB, 16, true>(ctx, plan, next, scratch)
-}
+        #[cfg(target_arch = "x86_64")]
+        mod avx512 {
+            use super::*;
+            #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+            pub(super) fn worker<T: Io, TB: Io>(
+                ctx: &Ctx<T, TB>,
+                plan: &Plan,
+                next: &AtomicUsize,
+                scratch: &mut [f32],
+            ) {
+                $body::<T, TB, 16, true>(ctx, plan, next, scratch)
+            }
+        }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn worker_avx2<T: Io, TB: Io>(ctx: &Ctx<T, TB>, plan: &Plan, next: &AtomicUsize, scratch: &mut [f32]) {
-    segments::<T, TB, 8, true>(ctx, plan, next, scratch)
+        #[cfg(target_arch = "x86_64")]
+        mod avx2 {
+            use super::*;
+            #[target_feature(enable = "avx2,fma")]
+            pub(super) fn worker<T: Io, TB: Io>(
+                ctx: &Ctx<T, TB>,
+                plan: &Plan,
+                next: &AtomicUsize,
+                scratch: &mut [f32],
+            ) {
+                $body::<T, TB, 8, true>(ctx, plan, next, scratch)
+            }
+        }
+
+        mod portable {
+            use super::*;
+            pub(super) fn worker<T: Io, TB: Io>(
+                ctx: &Ctx<T, TB>,
+                plan: &Plan,
+                next: &AtomicUsize,
+                scratch: &mut [f32],
+            ) {
+                $body::<T, TB, 8, false>(ctx, plan, next, scratch)
+            }
+        }
+    };
 }
+pub(super) use isa_workers;
+
+isa_workers!(segments);
 
 // ------------------------------------------------------------------------------------ worker
 

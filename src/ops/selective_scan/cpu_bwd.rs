@@ -20,8 +20,8 @@
 //!   the forward); their u, cotangents and state gradients are zeroed, so that they add exact zeros.
 
 use super::cpu::{
-    build, exp, exp2, in_parallel, input, lane, optional, scan_states, softplus, stage_lane_bc, stage_shared_bc, take,
-    take_lanes, transpose_in, with_io_types, write_x, Bc, Geom, Io, Isa, Out, PARALLEL_WORK, V,
+    build, exp, exp2, in_parallel, input, isa_workers, lane, optional, scan_states, softplus, stage_lane_bc,
+    stage_shared_bc, take, take_lanes, transpose_in, with_io_types, write_x, Bc, Geom, Io, Isa, Out, PARALLEL_WORK, V,
 };
 use super::{n_checkpoints, Bwd, BwdParams};
 use crate::DType;
@@ -314,28 +314,7 @@ fn sum_units<TB: Io>(p: &Geom, plan: &Plan, part: &[f32], dst: &mut [TB]) {
     }
 }
 
-fn worker<T: Io, TB: Io>(isa: Isa, ctx: &Ctx<T, TB>, plan: &Plan, next: &AtomicUsize, scratch: &mut [f32]) {
-    // SAFETY (both unsafe calls): `Isa::detect` saw the features these functions are compiled for.
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { worker_avx512(ctx, plan, next, scratch) },
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { worker_avx2(ctx, plan, next, scratch) },
-        Isa::Portable => units::<T, TB, 8, false>(ctx, plan, next, scratch),
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-fn worker_avx512<T: Io, TB: Io>(ctx: &Ctx<T, TB>, plan: &Plan, next: &AtomicUsize, scratch: &mut [f32]) {
-    units::<T, TB, 16, true>(ctx, plan, next, scratch)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn worker_avx2<T: Io, TB: Io>(ctx: &Ctx<T, TB>, plan: &Plan, next: &AtomicUsize, scratch: &mut [f32]) {
-    units::<T, TB, 8, true>(ctx, plan, next, scratch)
-}
+isa_workers!(units);
 
 /// Runs units taken from `next` until there are none left.
 #[inline(always)]
