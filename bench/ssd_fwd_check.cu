@@ -51,11 +51,26 @@ static int64_t split_parts(int64_t batch_heads, int64_t n_tiles) {
     return std::max<int64_t>(1, std::min(want, n_tiles));
 }
 
+// The first pass's records per part (mirror of `local_records_per_part` in src/ops/ssd/plan.rs: the
+// count of 1..4 that finishes in the fewest waves x (tiles of a piece + 4)), or $SSD_FWD_RECORDS.
+static int64_t records_per_part(int64_t batch_heads, int64_t parts, int64_t tiles_per_part) {
+    if (parts <= 1) return 1;
+    if (const char* v = getenv("SSD_FWD_RECORDS")) return std::min<int64_t>(std::max<int64_t>(1, atoll(v)), tiles_per_part);
+    const int64_t blocks = batch_heads * (parts - 1);
+    int64_t best = 1, best_cost = INT64_MAX;
+    for (int64_t r = 1; r <= std::min<int64_t>(tiles_per_part, 4); ++r) {
+        const int64_t cost = (blocks * r + 263) / 264 * ((tiles_per_part + r - 1) / r + 4);
+        if (cost < best_cost) best = r, best_cost = cost;
+    }
+    return best;
+}
+
 template <typename T, int N> struct Kern {
     static void run(const SsdParams& p, int64_t parts, cudaStream_t st) {
         const int64_t n_tiles = (p.seqlen + 63) / 64;
         const int64_t tpp = std::max<int64_t>(1, (n_tiles + parts - 1) / parts);
         parts = std::max<int64_t>(1, (n_tiles + tpp - 1) / tpp);
+        const int64_t rpp = records_per_part(p.batch * p.heads, parts, tpp);
         const int smem = sizeof(ssd_mma::SyncSmem<T, N>);  // the launcher's size (kernels/ssd_fwd.cu)
 #define SSD_PICK(NAME) (std::is_same<T, bf16>::value ? (N == 64 ? NAME##_bf16_n64 : NAME##_bf16_n128) \
                                                     : (N == 64 ? NAME##_f16_n64 : NAME##_f16_n128))
@@ -63,9 +78,9 @@ template <typename T, int N> struct Kern {
         auto local_k = SSD_PICK(ssd_fwd_mma_local);
         CK(cudaFuncSetAttribute(main_k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         CK(cudaFuncSetAttribute(local_k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        const SsdMmaParams a = {p, tpp, parts};
+        const SsdMmaParams a = {p, {tpp, parts, rpp}};
         if (parts > 1)
-            local_k<<<dim3(unsigned(p.batch * p.heads), unsigned(parts - 1)), ssd_mma::kThreads, smem, st>>>(a);
+            local_k<<<dim3(unsigned(p.batch * p.heads), unsigned((parts - 1) * rpp)), ssd_mma::kThreads, smem, st>>>(a);
         main_k<<<dim3(unsigned(p.batch * p.heads), unsigned(parts)), ssd_mma::kThreads, smem, st>>>(a);
         CK(cudaGetLastError());
     }
@@ -129,7 +144,9 @@ int main(int argc, char** argv) {
     float *fin_d, *cs_d, *ws_d;
     CK(cudaMalloc(&fin_d, B * H * P * N * 4 + 4));
     CK(cudaMalloc(&cs_d, B * H * P * n_chunks * N * 2 + 4));  // in T
-    CK(cudaMalloc(&ws_d, (parts - 1) * B * H * (P * N + 1) * 4 + 4));
+    // Room for the records of any split the launch may choose (at most one per tile).
+    const int64_t ws_bytes = n_tiles * B * H * (P * N + 1) * 4;
+    CK(cudaMalloc(&ws_d, ws_bytes + 4));
     p.x = x_d, p.dt = dt_d, p.A = upload_f32(A), p.B = B_d, p.C = C_d;
     p.D = d_mode ? upload_f32(Dv) : nullptr;
     p.z = z_d;
@@ -138,7 +155,7 @@ int main(int argc, char** argv) {
     // SSD_NO_CHUNK_STATES=1: the inference forward (no residuals for the backward pass).
     const bool save_chunks = !getenv("SSD_NO_CHUNK_STATES");
     p.y = y_d, p.final_states = fin_d, p.chunk_states = save_chunks ? cs_d : nullptr, p.workspace = ws_d;
-    p.workspace_bytes = (parts - 1) * B * H * (P * N + 1) * 4;
+    p.workspace_bytes = ws_bytes;
     p.batch = B, p.seqlen = L, p.heads = H, p.headdim = P, p.dstate = N, p.groups = G, p.chunk_size = chunk;
     p.dt_min = dt_min, p.dt_max = dt_max, p.dt_softplus = softplus_on, p.D_per_channel = d_mode == 2;
 

@@ -5,9 +5,10 @@
 // (ssd_fwd_sync.cuh). Both scan one (batch, head) per block of 128 threads through 64-step tiles,
 // the state in accumulators.
 //
-// Sequence split (few batch x heads): pass 1 (`_local`) runs parts 0..n_parts-2 from a zero state and
-// records each part's end state and total decay in the workspace; pass 2 runs every part, starting
-// from the initial state folded through the records of the parts before it.
+// Sequence split (few batch x heads): pass 1 (`_local`) runs parts 0..n_parts-2, each in pieces
+// (ssd_fwd_common.cuh: FwdSplit), from a zero state and records each piece's end state and total
+// decay in the workspace; pass 2 runs every part, starting from the initial state folded through the
+// records before it.
 #include "ssd_fwd_sync.cuh"
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "ssd_fwd_wgmma.cuh"
@@ -17,14 +18,15 @@ namespace ssd_mma {
 // wgmma at dstate 128 on sm_90a; at dstate 64 the mma.sync kernel is the faster one there (f16
 // 8x2048x64x64x64: 248 us against 266).
 template <typename T, int N, bool LOCAL, bool GATED>
-__device__ __forceinline__ void ssd_fwd(const SsdParams& p, int64_t tiles_per_part, int n_parts) {
+__device__ __forceinline__ void ssd_fwd(const SsdParams& p, const FwdSplit& split) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if constexpr (N == 128) {
-        ssd_fwd_wgmma<T, N, LOCAL, GATED>(p, tiles_per_part, n_parts);
+        if constexpr (LOCAL) ssd_fwd_wgmma_local<T, N>(p, split);
+        else ssd_fwd_wgmma<T, N, GATED>(p, split);
         return;
     }
 #endif
-    ssd_fwd_sync<T, N, LOCAL, GATED>(p, tiles_per_part, n_parts);
+    ssd_fwd_sync<T, N, LOCAL, GATED>(p, split);
 }
 }  // namespace ssd_mma
 
@@ -32,8 +34,7 @@ __device__ __forceinline__ void ssd_fwd(const SsdParams& p, int64_t tiles_per_pa
 // src/ops/ssd/cuda_mma.rs).
 struct SsdMmaParams {
     SsdParams p;
-    int64_t tiles_per_part;  // 64-step tiles per part
-    int64_t n_parts;         // records of parts 0..n_parts-2 in p.workspace
+    ssd_mma::FwdSplit split;  // its records in p.workspace
 };
 
 // extern "C" entry points ssd_fwd_mma[_gated]_<T>_n<N> (_gated: with z) and ssd_fwd_mma_local_<T>_n<N>
@@ -42,7 +43,7 @@ struct SsdMmaParams {
 #define SSD_FWD_MMA_KERNEL(T, N, NAME, LOCAL, GATED)                                                  \
     extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2) NAME(const SsdMmaParams a) {   \
         pdl_launch_dependents(); /* the backward's chunk_scalars reads none of this kernel's output */ \
-        ssd_mma::ssd_fwd<T, N, LOCAL, GATED>(a.p, a.tiles_per_part, int(a.n_parts));                  \
+        ssd_mma::ssd_fwd<T, N, LOCAL, GATED>(a.p, a.split);                                           \
     }
 #define SSD_FWD_MMA(T, N)                                                                             \
     SSD_FWD_MMA_KERNEL(T, N, ssd_fwd_mma_##T##_n##N, false, false)                                    \

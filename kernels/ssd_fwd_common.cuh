@@ -3,34 +3,60 @@
 // the states written from it. The state is the thread's share of the (kP x N) f32 state in mma
 // accumulator layout.
 #pragma once
+#include <type_traits>
+
 #include "ssd_mma.cuh"
 
 namespace ssd_mma {
 
-// The split's records in the workspace: [n_parts - 1][batch * heads][kP][N] end states from zero,
-// then [n_parts - 1][batch * heads] total decays (log2).
+// The sequence split (mirror of `MmaFwdSplit`, src/ops/ssd/plan.rs): the main kernel scans n_parts
+// parts of tiles_per_part tiles; the first pass (LOCAL) scans every part but the last in
+// records_per_part pieces of tiles_per_record() tiles (the last ones shorter or empty), so that it has
+// blocks enough to fill the GPU, and records each piece's end state from zero and its total decay.
+struct FwdSplit {
+    int64_t tiles_per_part, n_parts, records_per_part;
+    __device__ __forceinline__ int64_t n_records() const { return (n_parts - 1) * records_per_part; }
+    __device__ __forceinline__ int64_t tiles_per_record() const {
+        return (tiles_per_part + records_per_part - 1) / records_per_part;
+    }
+};
+
+// The split's records in the workspace: [n_records][batch * heads][kP][N] end states from zero, then
+// [n_records][batch * heads] total decays (log2).
 struct PartRecords {
     float* states;
     float* decays;
     int64_t per_part;  // batch * heads
-    template <int N> static __device__ __forceinline__ PartRecords make(const SsdParams& p, int n_parts) {
+    template <int N> static __device__ __forceinline__ PartRecords make(const SsdParams& p, const FwdSplit& split) {
         float* states = static_cast<float*>(p.workspace);
-        return {states, states + (n_parts - 1) * p.batch * p.heads * int64_t(kP) * N, p.batch * p.heads};
+        return {states, states + split.n_records() * p.batch * p.heads * int64_t(kP) * N, p.batch * p.heads};
     }
 };
 
-// The (batch, head) and the part of the sequence a forward block scans (grid: batch * heads, parts).
+// The (batch, head) and the tiles a forward block scans (grid: batch * heads, then parts, or records
+// when LOCAL: `part` is then the record's index).
 struct FwdBlock {
     int64_t bh, part, b, h, g, tile_begin, tile_end;
-    __device__ __forceinline__ FwdBlock(const SsdParams& p, int64_t tiles_per_part)
-        : bh(blockIdx.x), part(blockIdx.y), b(bh / p.heads), h(bh % p.heads), g(h / (p.heads / p.groups)),
-          tile_begin(part * tiles_per_part),
-          tile_end(min(tile_begin + tiles_per_part, (p.seqlen + kQ - 1) / kQ)) {}
+    template <bool LOCAL>
+    __device__ __forceinline__ FwdBlock(const SsdParams& p, const FwdSplit& split, std::integral_constant<bool, LOCAL>)
+        : bh(blockIdx.x), part(blockIdx.y), b(bh / p.heads), h(bh % p.heads), g(h / (p.heads / p.groups)) {
+        int64_t end;
+        if (LOCAL) {
+            const int64_t of = part / split.records_per_part, piece = part % split.records_per_part;
+            tile_begin = of * split.tiles_per_part + piece * split.tiles_per_record();
+            end = min(tile_begin + split.tiles_per_record(), (of + 1) * split.tiles_per_part);
+        } else {
+            tile_begin = part * split.tiles_per_part;
+            end = tile_begin + split.tiles_per_part;
+        }
+        tile_end = min(end, (p.seqlen + kQ - 1) / kQ);
+    }
 };
 
 // This thread's cp.async chunks of a tile's x, B and C rows (x: also where y goes, same layout).
 // `issue` copies the tile starting at step t0, rows past the sequence zero-filled; x_at / bc_at
 // (row, col) give the byte offset of element (row, col) in the kernel's shared layout of x / B, C.
+// WITH_C false (the split's first pass, which computes no y) leaves C out.
 template <typename T, int N> struct TileLoads {
     const TileCopy<kP> xcopy;
     const TileCopy<N> bccopy;
@@ -44,7 +70,7 @@ template <typename T, int N> struct TileLoads {
         b_src = static_cast<const T*>(p.B) + bc_off;
         c_src = static_cast<const T*>(p.C) + bc_off;
     }
-    template <typename XAt, typename BCAt>
+    template <bool WITH_C, typename XAt, typename BCAt>
     __device__ __forceinline__ void issue(int64_t t0, T* x, T* b, T* c, XAt x_at, BCAt bc_at) const {
 #pragma unroll
         for (int k = 0; k < TileCopy<kP>::kPasses; ++k) {
@@ -60,16 +86,16 @@ template <typename T, int N> struct TileLoads {
             const int64_t off = valid ? (t0 + k * TileCopy<N>::kRowStep) * bc_step : 0;
             const uint32_t at = bc_at(row, bccopy.col);
             cp_async16(reinterpret_cast<unsigned char*>(b) + at, b_src + off, valid);
-            cp_async16(reinterpret_cast<unsigned char*>(c) + at, c_src + off, valid);
+            if (WITH_C) cp_async16(reinterpret_cast<unsigned char*>(c) + at, c_src + off, valid);
         }
     }
 };
 
-// The state entering part `part` of (batch, head) bh: the initial state (or zero) carried through the
-// records of the parts before it. LOCAL (the split's first pass) starts every part from zero.
+// The state entering a part of (batch, head) bh: the initial state (or zero) carried through the
+// `records` records before it. LOCAL (the split's first pass) starts every piece from zero.
 template <int N, bool LOCAL>
 __device__ __forceinline__ void load_part_state(float (&s)[N / 8][4], const SsdParams& p, const PartRecords& rec,
-                                                int64_t bh, int64_t part) {
+                                                int64_t bh, int64_t records) {
     const int64_t state_elems = int64_t(kP) * N;
     for_state_pairs<N>(s, [&](float* acc, int row, int col) {
         float2 v = make_float2(0.f, 0.f);
@@ -79,7 +105,7 @@ __device__ __forceinline__ void load_part_state(float (&s)[N / 8][4], const SsdP
         acc[1] = v.y;
     });
     if constexpr (!LOCAL) {
-        for (int64_t q = 0; q < part; ++q) {
+        for (int64_t q = 0; q < records; ++q) {
             const float decay = exp2f(rec.decays[q * rec.per_part + bh]);
             const float* r = rec.states + (q * rec.per_part + bh) * state_elems;
             for_state_pairs<N>(s, [&](float* acc, int row, int col) {
@@ -91,8 +117,8 @@ __device__ __forceinline__ void load_part_state(float (&s)[N / 8][4], const SsdP
     }
 }
 
-// At a part's end: LOCAL records its end state and total decay (log2); the last part writes the
-// final states.
+// At a part's end: LOCAL records its piece's end state and total decay (log2) as record `part`; the
+// last part writes the final states.
 template <int N, bool LOCAL>
 __device__ __forceinline__ void store_part_state(float (&s)[N / 8][4], const SsdParams& p, const PartRecords& rec,
                                                  int64_t bh, int64_t part, int n_parts, float decay_sum) {

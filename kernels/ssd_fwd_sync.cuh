@@ -27,7 +27,7 @@ static_assert(sizeof(SyncSmem<bf16, 128>) == 20480 + 640 * (128 + 8) && sizeof(S
 // GATED: y times silu(z), a kernel of its own: with the gate's code in it (skipped at run time) the
 // ungated forward took 380 us instead of 356 at 8x2048x64x64x128.
 template <typename T, int N, bool LOCAL, bool GATED>
-__device__ __forceinline__ void ssd_fwd_sync(const SsdParams& p, int64_t tiles_per_part, int n_parts) {
+__device__ __forceinline__ void ssd_fwd_sync(const SsdParams& p, const FwdSplit& split) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     SyncSmem<T, N>& sm = *reinterpret_cast<SyncSmem<T, N>*>(smem_raw);
     using O = Ops<T>;
@@ -35,21 +35,21 @@ __device__ __forceinline__ void ssd_fwd_sync(const SsdParams& p, int64_t tiles_p
     constexpr int PX = pitch<kP>(), PN = pitch<N>();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int rb = warp;  // row block of y and S
-    const FwdBlock blk(p, tiles_per_part);
+    const FwdBlock blk(p, split, std::integral_constant<bool, LOCAL>{});
     const int64_t bh = blk.bh, part = blk.part, b = blk.b, h = blk.h;
     const int64_t tile_begin = blk.tile_begin, tile_end = blk.tile_end;
     const float a_log2 = p.A[h] * kLog2e;
-    const PartRecords rec = PartRecords::make<N>(p, n_parts);
+    const PartRecords rec = PartRecords::make<N>(p, split);
 
     // The state entering the part.
     float s[N / 8][4];
-    load_part_state<N, LOCAL>(s, p, rec, bh, part);
+    load_part_state<N, LOCAL>(s, p, rec, bh, part * split.records_per_part);
     float dskip[kP / 8][2];
     load_dskip(dskip, p, h);
 
     const TileLoads<T, N> loads(p, blk);
     auto load_tile = [&](int buf, int64_t t0) {
-        loads.issue(
+        loads.template issue<!LOCAL>(
             t0, sm.x[buf], sm.b[buf], sm.c[buf], [](int r, int c) { return uint32_t((r * PX + c) * sizeof(T)); },
             [](int r, int c) { return uint32_t((r * PN + c) * sizeof(T)); });
     };
@@ -200,7 +200,7 @@ __device__ __forceinline__ void ssd_fwd_sync(const SsdParams& p, int64_t tiles_p
         __syncthreads();
     }
 
-    store_part_state<N, LOCAL>(s, p, rec, bh, part, n_parts, decay_sum);
+    store_part_state<N, LOCAL>(s, p, rec, bh, part, int(split.n_parts), decay_sum);
 }
 
 }  // namespace ssd_mma

@@ -35,8 +35,8 @@ static_assert(wgmma_shared_bytes<bf16, 128>() <= int(sizeof(SyncSmem<bf16, 128>)
                   wgmma_shared_bytes<f16, 64>() <= int(sizeof(SyncSmem<f16, 64>)),
               "the launcher sizes shared memory for the mma.sync kernel");
 
-template <typename T, int N, bool LOCAL, bool GATED>
-__device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, int64_t tiles_per_part, int n_parts) {
+template <typename T, int N, bool GATED>
+__device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit& split) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const uint32_t raw_addr = smem_addr(smem_raw);
     WgSmem<T, N>& sm = *reinterpret_cast<WgSmem<T, N>*>(smem_raw + (((raw_addr + 1023) & ~1023u) - raw_addr));
@@ -45,23 +45,22 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, int64_t tiles_
     using T2 = typename O::T2;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int rb = warp;  // row block of y and S
-    const FwdBlock blk(p, tiles_per_part);
+    const FwdBlock blk(p, split, std::false_type{});
     const int64_t bh = blk.bh, part = blk.part, b = blk.b, h = blk.h;
     const int64_t tile_begin = blk.tile_begin, tile_end = blk.tile_end;
     const float a_log2 = p.A[h] * kLog2e;
-    const PartRecords rec = PartRecords::make<N>(p, n_parts);
+    const PartRecords rec = PartRecords::make<N>(p, split);
 
     // The state entering the part.
     float s[N / 8][4];
-    load_part_state<N, LOCAL>(s, p, rec, bh, part);
+    load_part_state<N, false>(s, p, rec, bh, part * split.records_per_part);
     float dskip[kP / 8][2];
     load_dskip(dskip, p, h);
 
     const TileLoads<T, N> loads(p, blk);
-    auto load_tile = [&](int buf, int64_t t0) { loads.issue(t0, sm.x[buf], sm.b[buf], sm.c[buf], tile_byte, tile_byte); };
+    auto load_tile = [&](int buf, int64_t t0) { loads.template issue<true>(t0, sm.x[buf], sm.b[buf], sm.c[buf], tile_byte, tile_byte); };
     T* y_dst = static_cast<T*>(p.y) + loads.x_off;
 
-    float decay_sum = 0.f;  // log2 of the part's total decay (LOCAL records it)
     // ldmatrix.trans rows of (w o x)^T's A fragments: x rows s = 16 kk + at_row, columns 16 rb + at_col.
     const int at_row = (lane & 7) + (lane >> 4) * 8, at_col = 16 * rb + ((lane >> 3) & 1) * 8;
     constexpr uint32_t kLbo = kBlockBytes, kSbo = 8 * 128;  // N-major blocks; 8-row groups
@@ -93,19 +92,16 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, int64_t tiles_
         if (tile + 1 < tile_end) load_tile(buf ^ 1, t0 + kQ);
         cp_async_commit();
         cp_async_wait_one();
-        if (!LOCAL) {
-            store_chunk_state<T, N>(s, p, bh, t0);
-            for_state_pairs<N>(s, [&](float* acc, int row, int col) {
-                *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(sm.s) + tile_byte(row, col)) =
-                    pack_u32<T>(acc[0], acc[1]);
-            });
-        }
+        store_chunk_state<T, N>(s, p, bh, t0);
+        for_state_pairs<N>(s, [&](float* acc, int row, int col) {
+            *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(sm.s) + tile_byte(row, col)) =
+                pack_u32<T>(acc[0], acc[1]);
+        });
         wgmma::fence_shared_to_async();
         __syncthreads();
 
         const TileScalars& sc = sm.sc[buf];
         const float cum_last = sc.cd[kQ / 2 - 1].z;
-        decay_sum += cum_last;
         const uint32_t xs = smem_addr(sm.x[buf]), bs = smem_addr(sm.b[buf]), cs = smem_addr(sm.c[buf]);
         // S <- 2^cum_last S + (w o x)^T B. The decay and the A fragments are done before any product is
         // issued (S's copy in shared memory is what C S^T reads), so no instruction touches a register
@@ -133,90 +129,187 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, int64_t tiles_
         };
         wgmma::fence();
         uint32_t ga[kQ / 16][4];  // G's A fragments (k = s)
-        if (!LOCAL) {
-            // G = C B^T and C S^T, both operands K-major (k = state) in shared memory.
-            const uint32_t ss = smem_addr(sm.s);
-            const uint64_t c_desc = wgmma::desc(cs, 16, kSbo), b_desc = wgmma::desc(bs, 16, kSbo),
-                           s_desc = wgmma::desc(ss, 16, kSbo);
+        // G = C B^T and C S^T, both operands K-major (k = state) in shared memory.
+        const uint32_t ss = smem_addr(sm.s);
+        const uint64_t c_desc = wgmma::desc(cs, 16, kSbo), b_desc = wgmma::desc(bs, 16, kSbo),
+                       s_desc = wgmma::desc(ss, 16, kSbo);
 #pragma unroll
-            for (int kk = 0; kk < N / 16; ++kk) {
-                const uint32_t k_at = ((kk / 4) * kBlockBytes + (kk % 4) * 32) >> 4;  // descriptor units
-                W::ss_n64(gacc, c_desc + k_at, b_desc + k_at, kk > 0);
-            }
+        for (int kk = 0; kk < N / 16; ++kk) {
+            const uint32_t k_at = ((kk / 4) * kBlockBytes + (kk % 4) * 32) >> 4;  // descriptor units
+            W::ss_n64(gacc, c_desc + k_at, b_desc + k_at, kk > 0);
+        }
 #pragma unroll
-            for (int kk = 0; kk < N / 16; ++kk) {
-                const uint32_t k_at = ((kk / 4) * kBlockBytes + (kk % 4) * 32) >> 4;
-                W::ss_n64(y, c_desc + k_at, s_desc + k_at, kk > 0);
-            }
-            wgmma::commit();
-            update_state();
-            next_scalars(buf, t0);
-            wgmma::wait<1>();  // G and C S^T done
-            wgmma::pin(gacc);
-            wgmma::pin(y);
+        for (int kk = 0; kk < N / 16; ++kk) {
+            const uint32_t k_at = ((kk / 4) * kBlockBytes + (kk % 4) * 32) >> 4;
+            W::ss_n64(y, c_desc + k_at, s_desc + k_at, kk > 0);
+        }
+        wgmma::commit();
+        update_state();
+        next_scalars(buf, t0);
+        wgmma::wait<1>();  // G and C S^T done
+        wgmma::pin(gacc);
+        wgmma::pin(y);
 
-            // Rows t = 16 rb + lane/4 (+8) of G and y, columns 8j + 2(lane%4) (+1).
-            const int t_lo = 16 * rb + lane / 4, t_hi = t_lo + 8;
-            const float e_lo = sc.ecum[t_lo], e_hi = sc.ecum[t_hi];
-            auto cum_of = [&](int t) {
-                const float4 v = sc.cd[t / 2];
-                return t & 1 ? v.z : v.x;
-            };
-            const float cum_t[2] = {cum_of(t_lo), cum_of(t_hi)};
+        // Rows t = 16 rb + lane/4 (+8) of G and y, columns 8j + 2(lane%4) (+1).
+        const int t_lo = 16 * rb + lane / 4, t_hi = t_lo + 8;
+        const float e_lo = sc.ecum[t_lo], e_hi = sc.ecum[t_hi];
+        auto cum_of = [&](int t) {
+            const float4 v = sc.cd[t / 2];
+            return t & 1 ? v.z : v.x;
+        };
+        const float cum_t[2] = {cum_of(t_lo), cum_of(t_hi)};
+#pragma unroll
+        for (int j = 0; j < kP / 8; ++j) {
+            y[j][0] *= e_lo;
+            y[j][1] *= e_lo;
+            y[j][2] *= e_hi;
+            y[j][3] *= e_hi;
+        }
+        // Mask and decay G into A fragments (k = s). Every warp takes every block, also those right
+        // of the diagonal (all zero): a branch here, with the state update in flight, would make
+        // ptxas serialize the wgmma.
+#pragma unroll
+        for (int kk = 0; kk < kQ / 16; ++kk)
+            masked_decay_frag<T>(ga[kk], *reinterpret_cast<const float(*)[2][4]>(gacc[2 * kk]), sc, t_lo, cum_t, 16 * kk, false);
+        // y += G x: x N-major (n = headdim) in shared memory.
+        wgmma::fence();
+#pragma unroll
+        for (int kk = 0; kk < kQ / 16; ++kk) W::rs_n64(y, ga[kk], x_desc + kk * 16 * 128 / 16);
+        wgmma::commit();
+
+        wgmma::wait<0>();  // G x and the state update done
+        wgmma::pin(y);
+#pragma unroll
+        for (int kk = 0; kk < kQ / 16; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(ga[kk][r])::"memory");  // read until here
+        // y += D x (and the gate), written over the x tile: each thread overwrites exactly the x
+        // elements it reads. After the barrier the tile leaves in 16-byte stores.
+        const T* z = GATED ? static_cast<const T*>(p.z) : nullptr;
+        unsigned char* xy = reinterpret_cast<unsigned char*>(sm.x[buf]);
+        const int col0 = 2 * (lane % 4);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = t_lo + 8 * half;
+            const int64_t t = t0 + row;
+            const T* z_row = GATED ? z + ((b * p.seqlen + t) * p.heads + h) * kP + col0 : nullptr;
 #pragma unroll
             for (int j = 0; j < kP / 8; ++j) {
-                y[j][0] *= e_lo;
-                y[j][1] *= e_lo;
-                y[j][2] *= e_hi;
-                y[j][3] *= e_hi;
-            }
-            // Mask and decay G into A fragments (k = s). Every warp takes every block, also those right
-            // of the diagonal (all zero): a branch here, with the state update in flight, would make
-            // ptxas serialize the wgmma.
-#pragma unroll
-            for (int kk = 0; kk < kQ / 16; ++kk)
-                masked_decay_frag<T>(ga[kk], *reinterpret_cast<const float(*)[2][4]>(gacc[2 * kk]), sc, t_lo, cum_t, 16 * kk, false);
-            // y += G x: x N-major (n = headdim) in shared memory.
-            wgmma::fence();
-#pragma unroll
-            for (int kk = 0; kk < kQ / 16; ++kk) W::rs_n64(y, ga[kk], x_desc + kk * 16 * 128 / 16);
-            wgmma::commit();
-        } else {
-            update_state();
-            next_scalars(buf, t0);
-        }
-
-        if (!LOCAL) {
-            wgmma::wait<0>();  // G x and the state update done
-            wgmma::pin(y);
-#pragma unroll
-            for (int kk = 0; kk < kQ / 16; ++kk)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(ga[kk][r])::"memory");  // read until here
-            // y += D x (and the gate), written over the x tile: each thread overwrites exactly the x
-            // elements it reads. After the barrier the tile leaves in 16-byte stores.
-            const T* z = GATED ? static_cast<const T*>(p.z) : nullptr;
-            unsigned char* xy = reinterpret_cast<unsigned char*>(sm.x[buf]);
-            const int t_lo = 16 * rb + lane / 4, col0 = 2 * (lane % 4);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = t_lo + 8 * half;
-                const int64_t t = t0 + row;
-                const T* z_row = GATED ? z + ((b * p.seqlen + t) * p.heads + h) * kP + col0 : nullptr;
-#pragma unroll
-                for (int j = 0; j < kP / 8; ++j) {
-                    T2* at = reinterpret_cast<T2*>(xy + tile_byte(row, col0 + 8 * j));
-                    const float2 xv = O::unpack2(*at);
-                    float v0 = y[j][2 * half] + dskip[j][0] * xv.x;
-                    float v1 = y[j][2 * half + 1] + dskip[j][1] * xv.y;
-                    if (GATED && t < p.seqlen) {
-                        const float2 zv = O::unpack2(*reinterpret_cast<const T2*>(z_row + 8 * j));
-                        v0 *= silu_fast(zv.x);  // exact expf and division: 637 us instead of 538
-                        v1 *= silu_fast(zv.y);
-                    }
-                    *at = O::pack2(v0, v1);
+                T2* at = reinterpret_cast<T2*>(xy + tile_byte(row, col0 + 8 * j));
+                const float2 xv = O::unpack2(*at);
+                float v0 = y[j][2 * half] + dskip[j][0] * xv.x;
+                float v1 = y[j][2 * half + 1] + dskip[j][1] * xv.y;
+                if (GATED && t < p.seqlen) {
+                    const float2 zv = O::unpack2(*reinterpret_cast<const T2*>(z_row + 8 * j));
+                    v0 *= silu_fast(zv.x);  // exact expf and division: 637 us instead of 538
+                    v1 *= silu_fast(zv.y);
                 }
+                *at = O::pack2(v0, v1);
             }
+        }
+        wgmma::pin(s);
+#pragma unroll
+        for (int kk = 0; kk < kQ / 16; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(xa[kk][r])::"memory");
+        __syncthreads();
+        // y out: the thread takes the chunks its next cp.async into this buffer overwrites, so no
+        // other thread's copy can land before this read.
+#pragma unroll
+        for (int k = 0; k < TileCopy<kP>::kPasses; ++k) {
+            const int row = loads.xcopy.row0 + k * TileCopy<kP>::kRowStep;
+            if (t0 + row < p.seqlen)
+                *reinterpret_cast<uint4*>(y_dst + (t0 + k * TileCopy<kP>::kRowStep) * loads.x_step) =
+                    *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(sm.x[buf]) +
+                                                    tile_byte(row, loads.xcopy.col));
+        }
+    }
+
+    store_part_state<N, false>(s, p, rec, bh, part, int(split.n_parts), 0.f);
+}
+
+// The split's first pass: the part's end state from zero and its total decay (log2), per tile
+// S <- 2^cum_last S + (w o x)^T B. It reads only x, B and dt and has little work per tile to hide a
+// load behind (ncu, 1x16384x64x64x128 on an H200: 9% occupancy, 18% of DRAM bandwidth, 2 us a
+// tile), so its copies run kLocalStages - 1 tiles ahead, in the shared memory the y products of the
+// main kernel take.
+constexpr int kLocalStages = 4;
+template <typename T, int N> struct WgLocalSmem {
+    T x[kLocalStages][kQ * kP];
+    T b[kLocalStages][kQ * N];
+    TileScalars sc[2];  // of tiles with even / odd index
+};
+static_assert(int(sizeof(WgLocalSmem<bf16, 128>)) + 1024 <= int(sizeof(SyncSmem<bf16, 128>)),
+              "the launcher sizes shared memory for the mma.sync kernel");
+
+template <typename T, int N>
+__device__ __forceinline__ void ssd_fwd_wgmma_local(const SsdParams& p, const FwdSplit& split) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const uint32_t raw_addr = smem_addr(smem_raw);
+    WgLocalSmem<T, N>& sm = *reinterpret_cast<WgLocalSmem<T, N>*>(smem_raw + (((raw_addr + 1023) & ~1023u) - raw_addr));
+    using W = wgmma::Ops<T>;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const FwdBlock blk(p, split, std::true_type{});
+    const int64_t n_tiles = max(blk.tile_end - blk.tile_begin, int64_t(0));
+    const float a_log2 = p.A[blk.h] * kLog2e;
+    const PartRecords rec = PartRecords::make<N>(p, split);
+    float s[N / 8][4];
+    load_part_state<N, true>(s, p, rec, blk.bh, 0);
+
+    const TileLoads<T, N> loads(p, blk);
+    auto load = [&](int64_t i, int stage) {
+        loads.template issue<false>((blk.tile_begin + i) * kQ, sm.x[stage], sm.b[stage], nullptr, tile_byte, tile_byte);
+    };
+    // Scalars one tile ahead, dt two (as in the main kernel).
+    float dt_raw[2];
+    const bool sc_store = (lane >> 3) == warp;
+    load_dt<T>(p, blk.b, blk.h, blk.tile_begin * kQ, dt_raw);
+    tile_scalars(sm.sc[blk.tile_begin & 1], p, blk.h, a_log2, blk.tile_begin * kQ, dt_raw, sc_store);
+    load_dt<T>(p, blk.b, blk.h, (blk.tile_begin + 1) * kQ, dt_raw);
+
+    const int at_row = (lane & 7) + (lane >> 4) * 8, at_col = 16 * warp + ((lane >> 3) & 1) * 8;
+    constexpr uint32_t kLbo = kBlockBytes, kSbo = 8 * 128;  // N-major blocks; 8-row groups
+    float decay_sum = 0.f;
+    for (int stage = 0; stage < kLocalStages - 1; ++stage) {
+        if (stage < n_tiles) load(stage, stage);
+        cp_async_commit();
+    }
+    for (int64_t i = 0; i < n_tiles; ++i) {
+        const int64_t tile = blk.tile_begin + i, ahead = i + kLocalStages - 1;
+        const int stage = int(i % kLocalStages);
+        if (ahead < n_tiles) load(ahead, int(ahead % kLocalStages));
+        cp_async_commit();
+        cp_async_wait_group<kLocalStages - 1>();
+        wgmma::fence_shared_to_async();
+        __syncthreads();
+
+        const TileScalars& sc = sm.sc[tile & 1];
+        const float cum_last = sc.cd[kQ / 2 - 1].z;
+        decay_sum += cum_last;
+        const float decay = ex2_ftz(cum_last);
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] *= decay;
+        uint32_t xa[kQ / 16][4];
+        const uint32_t xs = smem_addr(sm.x[stage]);
+#pragma unroll
+        for (int kk = 0; kk < kQ / 16; ++kk) {
+            ldsm_x4_trans(xa[kk], xs + wgmma::swizzled(16 * kk + at_row, at_col));
+            scale_a_cols<T>(xa[kk], sc.w[8 * kk + lane % 4], sc.w[8 * kk + 4 + lane % 4]);
+        }
+        const uint64_t bn_desc = wgmma::desc(smem_addr(sm.b[stage]), kLbo, kSbo);
+        wgmma::fence();
+#pragma unroll
+        for (int kk = 0; kk < kQ / 16; ++kk) {
+            const uint64_t bd = bn_desc + kk * 16 * 128 / 16;
+            if constexpr (N == 128) W::rs_n128(s, xa[kk], bd);
+            else W::rs_n64(s, xa[kk], bd);
+        }
+        wgmma::commit();
+        if (tile + 1 < blk.tile_end) {
+            tile_scalars(sm.sc[(tile & 1) ^ 1], p, blk.h, a_log2, (tile + 1) * kQ, dt_raw, sc_store);
+            load_dt<T>(p, blk.b, blk.h, (tile + 2) * kQ, dt_raw);
         }
         wgmma::wait<0>();
         wgmma::pin(s);
@@ -224,22 +317,9 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, int64_t tiles_
         for (int kk = 0; kk < kQ / 16; ++kk)
 #pragma unroll
             for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(xa[kk][r])::"memory");
-        __syncthreads();
-        if (!LOCAL) {
-            // y out: the thread takes the chunks its next cp.async into this buffer overwrites, so no
-            // other thread's copy can land before this read.
-#pragma unroll
-            for (int k = 0; k < TileCopy<kP>::kPasses; ++k) {
-                const int row = loads.xcopy.row0 + k * TileCopy<kP>::kRowStep;
-                if (t0 + row < p.seqlen)
-                    *reinterpret_cast<uint4*>(y_dst + (t0 + k * TileCopy<kP>::kRowStep) * loads.x_step) =
-                        *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(sm.x[buf]) +
-                                                        tile_byte(row, loads.xcopy.col));
-            }
-        }
+        __syncthreads();  // before a later copy refills this stage, or the scalars' next write
     }
-
-    store_part_state<N, LOCAL>(s, p, rec, bh, part, n_parts, decay_sum);
+    store_part_state<N, true>(s, p, rec, blk.bh, blk.part, int(split.n_parts), decay_sum);
 }
 
 }  // namespace ssd_mma

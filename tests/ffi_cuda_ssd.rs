@@ -205,6 +205,10 @@ fn tensor_core_paths() {
         // 32 heads per group and 2 x 32 (batch, chunk, group) units: dB and dC through the head sums
         // (plan::mma_bwd_head_sums); every case above takes the per-head partials.
         (2, 8100, 32, 128, 1, 256, Dt::BF16, DForm::PerChannel, true, false),
+        // 16 (batch, head) pairs: the forward's first pass scans each part in two pieces
+        // (plan::mma_fwd_split), on the wgmma kernel and on the mma.sync one.
+        (2, 1087, 8, 128, 2, 64, Dt::BF16, DForm::PerHead, true, false),
+        (1, 1087, 16, 64, 4, 128, Dt::F16, DForm::PerChannel, false, true),
     ]
     .iter()
     .enumerate()

@@ -24,8 +24,7 @@ const REDUCE_MAX_BLOCKS: u64 = 4096;
 #[repr(C)]
 struct FwdMmaParams {
     p: SsdParams,
-    tiles_per_part: i64,
-    n_parts: i64,
+    split: plan::MmaFwdSplit,
 }
 
 /// Mirror of `ssd_mma::SsdBwdMmaParams` (kernels/ssd_bwd.cu).
@@ -111,7 +110,7 @@ fn blocks(p: &SsdParams, parts: i64, shared_bytes: u32) -> LaunchConfig {
 }
 
 /// The forward; `workspace` is the workspace's aligned start, `workspace_bytes` long: the split takes
-/// as many parts as its records fit there (none when null).
+/// as many records as fit there (none when null).
 pub(super) fn fwd(
     ssd: &Ssd,
     shape: &Shape,
@@ -123,21 +122,17 @@ pub(super) fn fwd(
     if p.batch * p.heads == 0 {
         return Ok(());
     }
-    let n_tiles = (p.seqlen + MMA_TILE - 1) / MMA_TILE;
-    let record_bytes = p.batch * p.heads * (p.headdim * p.dstate + 1) * 4;
-    let fitting = if workspace.is_null() { 1 } else { 1 + workspace_bytes / record_bytes };
-    let planned = plan::mma_split_parts(shape).min(fitting);
-    let tiles_per_part = ((n_tiles + planned - 1) / planned).max(1);
-    let n_parts = ((n_tiles + tiles_per_part - 1) / tiles_per_part).max(1);
-    let args = FwdMmaParams { p: SsdParams { workspace: workspace as *mut c_void, ..*p }, tiles_per_part, n_parts };
+    let max_records = if workspace.is_null() { 0 } else { workspace_bytes / plan::mma_fwd_record_bytes(shape) };
+    let split = plan::mma_fwd_split(shape, max_records);
+    let args = FwdMmaParams { p: SsdParams { workspace: workspace as *mut c_void, ..*p }, split };
     let types = format!("{}_n{}", ssd.dtype.name(), p.dstate);
     let smem = fwd_shared_bytes(p.dstate);
-    if n_parts > 1 {
-        launch(stream, FWD_MODULE, &format!("ssd_fwd_mma_local_{types}"), blocks(p, n_parts - 1, smem), &args)?;
+    if split.n_parts > 1 {
+        launch(stream, FWD_MODULE, &format!("ssd_fwd_mma_local_{types}"), blocks(p, split.records(), smem), &args)?;
     }
     // With z, a kernel of its own (kernels/ssd_fwd.cu: the gate's code slowed the ungated one).
     let main = if p.z.is_null() { "ssd_fwd_mma" } else { "ssd_fwd_mma_gated" };
-    launch(stream, FWD_MODULE, &format!("{main}_{types}"), blocks(p, n_parts, smem), &args)
+    launch(stream, FWD_MODULE, &format!("{main}_{types}"), blocks(p, split.n_parts, smem), &args)
 }
 
 /// The backward, its scratch at `workspace` (the aligned start of at least

@@ -174,22 +174,71 @@ const MMA_MAX_CHUNK: i64 = 256;
 /// per SM at the main shape; with a head or so per group a second range would only add workspace).
 const MSUM_MAX_SPLIT: i64 = 2;
 
-/// Parts of the tensor-core forward's sequence split: as many as one wave of blocks holds (a second,
-/// partial wave would cost a whole one), at most one per tile.
-pub fn mma_split_parts(s: &Shape) -> i64 {
-    let blocks = s.batch * s.heads;
-    if blocks == 0 {
-        return 1;
-    }
-    let tiles = (s.seqlen + MMA_TILE - 1) / MMA_TILE;
-    (MMA_WAVE_BLOCKS / blocks).min(tiles).max(1)
+/// The tensor-core forward's sequence split (mirror of `ssd_mma::FwdSplit`, kernels/ssd_fwd_common.cuh):
+/// the main kernel scans `n_parts` parts of `tiles_per_part` tiles; its first pass scans every part but
+/// the last in `records_per_part` pieces, each recording its end state from zero and its decay.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MmaFwdSplit {
+    pub tiles_per_part: i64,
+    pub n_parts: i64,
+    pub records_per_part: i64,
 }
 
-/// The tensor-core forward's workspace: each part but the last records its end state (headdim x
-/// dstate) and its total decay, f32.
+impl MmaFwdSplit {
+    pub fn records(&self) -> i64 {
+        (self.n_parts - 1) * self.records_per_part
+    }
+}
+
+/// Bytes of one record of the forward's split: a headdim x dstate state and a decay per (batch, head),
+/// f32.
+pub fn mma_fwd_record_bytes(s: &Shape) -> i64 {
+    s.batch * s.heads * (s.headdim * s.dstate + 1) * 4
+}
+
+/// The forward's split where at most `max_records` records fit: as many parts as one wave of blocks
+/// holds (a second, partial wave would cost a whole one), at most one per tile, fewer where their
+/// records would not fit.
+pub fn mma_fwd_split(s: &Shape, max_records: i64) -> MmaFwdSplit {
+    let bh = s.batch * s.heads;
+    let n_tiles = (s.seqlen + MMA_TILE - 1) / MMA_TILE;
+    let planned = if bh == 0 { 1 } else { (MMA_WAVE_BLOCKS / bh).min(n_tiles).max(1) };
+    let planned = planned.min(max_records.max(0).saturating_add(1));
+    let tiles_per_part = ((n_tiles + planned - 1) / planned).max(1);
+    let n_parts = ((n_tiles + tiles_per_part - 1) / tiles_per_part).max(1);
+    let fitting = if n_parts > 1 { max_records / (n_parts - 1) } else { 1 };
+    let records_per_part = local_records_per_part(bh, n_parts, tiles_per_part).min(fitting).max(1);
+    MmaFwdSplit { tiles_per_part, n_parts, records_per_part }
+}
+
+/// Most pieces per part in the forward's first pass: each is a record the main kernel's later parts
+/// fold in one after another.
+const MAX_LOCAL_RECORDS: i64 = 4;
+/// What a first-pass block costs besides its tiles (its start, the records' fold, its store), in
+/// tiles: fitted to the H200 timings in BENCHMARKS.md (stop 31).
+const LOCAL_BLOCK_TILES: i64 = 4;
+
+/// Pieces per part of the forward's first pass: the first pass of 1 x 16384 x 64 heads has 192
+/// blocks of 64 tiles, three quarters of a wave of the 264 the GPU holds. More pieces fill the GPU
+/// with shorter blocks; the count taken finishes in the fewest tile-times, waves x (tiles of a piece
+/// + LOCAL_BLOCK_TILES), the fewest pieces on a tie.
+fn local_records_per_part(bh: i64, n_parts: i64, tiles_per_part: i64) -> i64 {
+    if n_parts <= 1 {
+        return 1;
+    }
+    let blocks = bh * (n_parts - 1);
+    (1..=tiles_per_part.min(MAX_LOCAL_RECORDS))
+        .min_by_key(|&r| {
+            let waves = (blocks * r + MMA_WAVE_BLOCKS - 1) / MMA_WAVE_BLOCKS;
+            waves * ((tiles_per_part + r - 1) / r + LOCAL_BLOCK_TILES)
+        })
+        .unwrap_or(1)
+}
+
+/// The tensor-core forward's workspace: the split's records.
 fn mma_fwd_bytes(s: &Shape) -> i64 {
-    let parts = mma_split_parts(s);
-    let records = (parts - 1) * s.batch * s.heads * (s.headdim * s.dstate + 1) * 4;
+    let records = mma_fwd_split(s, i64::MAX).records() * mma_fwd_record_bytes(s);
     if records == 0 {
         0
     } else {
@@ -401,6 +450,42 @@ mod tests {
         }
         // One head per group: one head range.
         assert_eq!(mma_bwd_layout(&Shape { groups: 6, ..few }).msum_split, 1);
+    }
+
+    #[test]
+    fn mma_fwd_split_fills_the_gpu() {
+        let shape = |batch, seqlen| Shape {
+            batch,
+            seqlen,
+            heads: 64,
+            headdim: 64,
+            dstate: 128,
+            groups: 1,
+            chunk_size: 256,
+            elem_bytes: 2,
+        };
+        let split =
+            |tiles_per_part, n_parts, records_per_part| MmaFwdSplit { tiles_per_part, n_parts, records_per_part };
+        // The H200 measures behind LOCAL_BLOCK_TILES (BENCHMARKS.md, stop 31).
+        assert_eq!(mma_fwd_split(&shape(1, 16384), i64::MAX), split(64, 4, 4));
+        assert_eq!(mma_fwd_split(&shape(2, 8192), i64::MAX), split(64, 2, 2));
+        assert_eq!(mma_fwd_split(&shape(1, 4096), i64::MAX), split(16, 4, 1));
+        assert_eq!(mma_fwd_split(&shape(8, 2048), i64::MAX), split(32, 1, 1));
+        // Where fewer records fit: fewer pieces, then fewer parts; none without a workspace.
+        assert_eq!(mma_fwd_split(&shape(1, 16384), 11), split(64, 4, 3));
+        assert_eq!(mma_fwd_split(&shape(1, 16384), 2), split(86, 3, 1));
+        assert_eq!(mma_fwd_split(&shape(1, 16384), 0), split(256, 1, 1));
+        for (batch, seqlen, max) in [(1, 16384, i64::MAX), (1, 100, 7), (3, 5000, 5), (1, 1, 9), (2, 0, 3), (1, 700, 4)]
+        {
+            let s = shape(batch, seqlen);
+            let sp = mma_fwd_split(&s, max);
+            let n_tiles = (seqlen + MMA_TILE - 1) / MMA_TILE;
+            assert!(sp.records() <= max && sp.records_per_part <= sp.tiles_per_part.max(1), "{sp:?}");
+            assert!(sp.n_parts * sp.tiles_per_part >= n_tiles && (sp.n_parts - 1) * sp.tiles_per_part < n_tiles.max(1));
+        }
+        let s = shape(1, 16384);
+        assert_eq!(mma_fwd_bytes(&s), 12 * mma_fwd_record_bytes(&s) + ALIGN);
+        assert_eq!(mma_fwd_bytes(&shape(8, 2048)), 0);
     }
 
     /// The workspace functions size for the path that runs: where the tensor-core kernels apply the
