@@ -34,6 +34,47 @@ template <typename T, int N> constexpr int wgmma_shared_bytes() { return int(siz
 static_assert(wgmma_shared_bytes<bf16, 128>() <= int(sizeof(SyncSmem<bf16, 128>)) &&
                   wgmma_shared_bytes<f16, 64>() <= int(sizeof(SyncSmem<f16, 64>)),
               "the launcher sizes shared memory for the mma.sync kernel");
+constexpr uint32_t kLbo = kBlockBytes, kSbo = 8 * 128;  // descriptors: N-major blocks; 8-row groups
+
+// One tile's state update S <- 2^cum_last S + (w o x)^T B, in two steps: `prepare` decays S and loads
+// (w o x)^T's A fragments (ldmatrix.trans of x's rows s = steps, scaled by w_s) before any product is
+// issued, so that no instruction touches a register of an in-flight wgmma; `issue` issues and commits
+// the products (B N-major in shared memory); `hold` keeps the fragments until the products are done.
+template <typename T, int N> struct StateUpdate {
+    uint32_t xa[kQ / 16][4];
+
+    __device__ __forceinline__ void prepare(float (&s)[N / 8][4], uint32_t x_tile, const TileScalars& sc) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        // x rows 16 kk + at_row, columns 16 warp + at_col.
+        const int at_row = (lane & 7) + (lane >> 4) * 8, at_col = 16 * warp + ((lane >> 3) & 1) * 8;
+        const float decay = ex2_ftz(sc.cd[kQ / 2 - 1].z);
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] *= decay;
+#pragma unroll
+        for (int kk = 0; kk < kQ / 16; ++kk) {
+            ldsm_x4_trans(xa[kk], x_tile + wgmma::swizzled(16 * kk + at_row, at_col));
+            scale_a_cols<T>(xa[kk], sc.w[8 * kk + lane % 4], sc.w[8 * kk + 4 + lane % 4]);
+        }
+    }
+    __device__ __forceinline__ void issue(float (&s)[N / 8][4], uint32_t b_tile) const {
+        const uint64_t bn_desc = wgmma::desc(b_tile, kLbo, kSbo);
+#pragma unroll
+        for (int kk = 0; kk < kQ / 16; ++kk) {
+            const uint64_t bd = bn_desc + kk * 16 * 128 / 16;
+            if constexpr (N == 128) wgmma::Ops<T>::rs_n128(s, xa[kk], bd);
+            else wgmma::Ops<T>::rs_n64(s, xa[kk], bd);
+        }
+        wgmma::commit();
+    }
+    __device__ __forceinline__ void hold() {
+#pragma unroll
+        for (int kk = 0; kk < kQ / 16; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(xa[kk][r])::"memory");
+    }
+};
 
 template <typename T, int N, bool GATED>
 __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit& split) {
@@ -61,9 +102,6 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit
     auto load_tile = [&](int buf, int64_t t0) { loads.template issue<true>(t0, sm.x[buf], sm.b[buf], sm.c[buf], tile_byte, tile_byte); };
     T* y_dst = static_cast<T*>(p.y) + loads.x_off;
 
-    // ldmatrix.trans rows of (w o x)^T's A fragments: x rows s = 16 kk + at_row, columns 16 rb + at_col.
-    const int at_row = (lane & 7) + (lane >> 4) * 8, at_col = 16 * rb + ((lane >> 3) & 1) * 8;
-    constexpr uint32_t kLbo = kBlockBytes, kSbo = 8 * 128;  // N-major blocks; 8-row groups
 
     if (tile_begin < tile_end) load_tile(int(tile_begin & 1), tile_begin * kQ);
     cp_async_commit();
@@ -101,32 +139,12 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit
         __syncthreads();
 
         const TileScalars& sc = sm.sc[buf];
-        const float cum_last = sc.cd[kQ / 2 - 1].z;
         const uint32_t xs = smem_addr(sm.x[buf]), bs = smem_addr(sm.b[buf]), cs = smem_addr(sm.c[buf]);
-        // S <- 2^cum_last S + (w o x)^T B. The decay and the A fragments are done before any product is
-        // issued (S's copy in shared memory is what C S^T reads), so no instruction touches a register
-        // of an in-flight wgmma; the update runs while G is masked. w scales the k (= step) pairs.
-        const float decay = ex2_ftz(cum_last);
-#pragma unroll
-        for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] *= decay;
-        uint32_t xa[kQ / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < kQ / 16; ++kk) {
-            ldsm_x4_trans(xa[kk], xs + wgmma::swizzled(16 * kk + at_row, at_col));
-            scale_a_cols<T>(xa[kk], sc.w[8 * kk + lane % 4], sc.w[8 * kk + 4 + lane % 4]);
-        }
-        const uint64_t x_desc = wgmma::desc(xs, kLbo, kSbo), bn_desc = wgmma::desc(bs, kLbo, kSbo);  // N-major
-        auto update_state = [&] {
-#pragma unroll
-            for (int kk = 0; kk < kQ / 16; ++kk) {
-                const uint64_t bd = bn_desc + kk * 16 * 128 / 16;
-                if constexpr (N == 128) W::rs_n128(s, xa[kk], bd);
-                else W::rs_n64(s, xa[kk], bd);
-            }
-            wgmma::commit();
-        };
+        // The state update is prepared before any product is issued (S's copy in shared memory is
+        // what C S^T reads) and runs while G is masked.
+        StateUpdate<T, N> update;
+        update.prepare(s, xs, sc);
+        const uint64_t x_desc = wgmma::desc(xs, kLbo, kSbo);  // N-major
         wgmma::fence();
         uint32_t ga[kQ / 16][4];  // G's A fragments (k = s)
         // G = C B^T and C S^T, both operands K-major (k = state) in shared memory.
@@ -144,7 +162,7 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit
             W::ss_n64(y, c_desc + k_at, s_desc + k_at, kk > 0);
         }
         wgmma::commit();
-        update_state();
+        update.issue(s, bs);
         next_scalars(buf, t0);
         wgmma::wait<1>();  // G and C S^T done
         wgmma::pin(gacc);
@@ -208,10 +226,7 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit
             }
         }
         wgmma::pin(s);
-#pragma unroll
-        for (int kk = 0; kk < kQ / 16; ++kk)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(xa[kk][r])::"memory");
+        update.hold();
         __syncthreads();
         // y out: the thread takes the chunks its next cp.async into this buffer overwrites, so no
         // other thread's copy can land before this read.
@@ -247,7 +262,6 @@ __device__ __forceinline__ void ssd_fwd_wgmma_local(const SsdParams& p, const Fw
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const uint32_t raw_addr = smem_addr(smem_raw);
     WgLocalSmem<T, N>& sm = *reinterpret_cast<WgLocalSmem<T, N>*>(smem_raw + (((raw_addr + 1023) & ~1023u) - raw_addr));
-    using W = wgmma::Ops<T>;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const FwdBlock blk(p, split, std::true_type{});
     const int64_t n_tiles = max(blk.tile_end - blk.tile_begin, int64_t(0));
@@ -267,8 +281,6 @@ __device__ __forceinline__ void ssd_fwd_wgmma_local(const SsdParams& p, const Fw
     tile_scalars(sm.sc[blk.tile_begin & 1], p, blk.h, a_log2, blk.tile_begin * kQ, dt_raw, sc_store);
     load_dt<T>(p, blk.b, blk.h, (blk.tile_begin + 1) * kQ, dt_raw);
 
-    const int at_row = (lane & 7) + (lane >> 4) * 8, at_col = 16 * warp + ((lane >> 3) & 1) * 8;
-    constexpr uint32_t kLbo = kBlockBytes, kSbo = 8 * 128;  // N-major blocks; 8-row groups
     float decay_sum = 0.f;
     for (int stage = 0; stage < kLocalStages - 1; ++stage) {
         if (stage < n_tiles) load(stage, stage);
@@ -284,39 +296,18 @@ __device__ __forceinline__ void ssd_fwd_wgmma_local(const SsdParams& p, const Fw
         __syncthreads();
 
         const TileScalars& sc = sm.sc[tile & 1];
-        const float cum_last = sc.cd[kQ / 2 - 1].z;
-        decay_sum += cum_last;
-        const float decay = ex2_ftz(cum_last);
-#pragma unroll
-        for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] *= decay;
-        uint32_t xa[kQ / 16][4];
-        const uint32_t xs = smem_addr(sm.x[stage]);
-#pragma unroll
-        for (int kk = 0; kk < kQ / 16; ++kk) {
-            ldsm_x4_trans(xa[kk], xs + wgmma::swizzled(16 * kk + at_row, at_col));
-            scale_a_cols<T>(xa[kk], sc.w[8 * kk + lane % 4], sc.w[8 * kk + 4 + lane % 4]);
-        }
-        const uint64_t bn_desc = wgmma::desc(smem_addr(sm.b[stage]), kLbo, kSbo);
+        decay_sum += sc.cd[kQ / 2 - 1].z;
+        StateUpdate<T, N> update;
+        update.prepare(s, smem_addr(sm.x[stage]), sc);
         wgmma::fence();
-#pragma unroll
-        for (int kk = 0; kk < kQ / 16; ++kk) {
-            const uint64_t bd = bn_desc + kk * 16 * 128 / 16;
-            if constexpr (N == 128) W::rs_n128(s, xa[kk], bd);
-            else W::rs_n64(s, xa[kk], bd);
-        }
-        wgmma::commit();
+        update.issue(s, smem_addr(sm.b[stage]));
         if (tile + 1 < blk.tile_end) {
             tile_scalars(sm.sc[(tile & 1) ^ 1], p, blk.h, a_log2, (tile + 1) * kQ, dt_raw, sc_store);
             load_dt<T>(p, blk.b, blk.h, (tile + 2) * kQ, dt_raw);
         }
         wgmma::wait<0>();
         wgmma::pin(s);
-#pragma unroll
-        for (int kk = 0; kk < kQ / 16; ++kk)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(xa[kk][r])::"memory");
+        update.hold();
         __syncthreads();  // before a later copy refills this stage, or the scalars' next write
     }
     store_part_state<N, true>(s, p, rec, blk.bh, blk.part, int(split.n_parts), decay_sum);

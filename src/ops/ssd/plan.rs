@@ -452,18 +452,14 @@ mod tests {
         assert_eq!(mma_bwd_layout(&Shape { groups: 6, ..few }).msum_split, 1);
     }
 
+    /// The benchmarks' Mamba-2 shape (64 heads of 64, dstate 128, one group, chunk 256, bf16).
+    fn mamba2(batch: i64, seqlen: i64) -> Shape {
+        Shape { batch, seqlen, heads: 64, headdim: 64, dstate: 128, groups: 1, chunk_size: 256, elem_bytes: 2 }
+    }
+
     #[test]
     fn mma_fwd_split_fills_the_gpu() {
-        let shape = |batch, seqlen| Shape {
-            batch,
-            seqlen,
-            heads: 64,
-            headdim: 64,
-            dstate: 128,
-            groups: 1,
-            chunk_size: 256,
-            elem_bytes: 2,
-        };
+        let shape = mamba2;
         let split =
             |tiles_per_part, n_parts, records_per_part| MmaFwdSplit { tiles_per_part, n_parts, records_per_part };
         // The H200 measures behind LOCAL_BLOCK_TILES (BENCHMARKS.md, stop 31).
@@ -493,16 +489,7 @@ mod tests {
     /// far larger scratch is not asked for.
     #[test]
     fn workspaces_are_sized_for_the_path_that_runs() {
-        let main = Shape {
-            batch: 8,
-            seqlen: 2048,
-            heads: 64,
-            headdim: 64,
-            dstate: 128,
-            groups: 1,
-            chunk_size: 256,
-            elem_bytes: 2,
-        };
+        let main = mamba2(8, 2048);
         assert!(mma_applies(&main));
         assert_eq!(bwd_workspace_bytes(&main), mma_bwd_layout(&main).bytes);
         assert_eq!(fwd_workspace_bytes(&main), mma_fwd_bytes(&main));
