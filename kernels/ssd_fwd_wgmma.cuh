@@ -243,11 +243,12 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit
     store_part_state<N, false>(s, p, rec, bh, part, int(split.n_parts), 0.f);
 }
 
-// The split's first pass: the part's end state from zero and its total decay (log2), per tile
-// S <- 2^cum_last S + (w o x)^T B. It reads only x, B and dt and has little work per tile to hide a
-// load behind (ncu, 1x16384x64x64x128 on an H200: 9% occupancy, 18% of DRAM bandwidth, 2 us a
-// tile), so its copies run kLocalStages - 1 tiles ahead, in the shared memory the y products of the
-// main kernel take.
+// The split's first pass: a piece's end state from zero and its total decay (log2), per tile
+// S <- 2^cum_last S + (w o x)^T B. It reads only x, B and dt, its copies kLocalStages - 1 tiles ahead
+// in the shared memory the y products of the main kernel take. Its tiles are latency-bound (ncu,
+// 1x16384x64x64x128 on an H200: 9% occupancy, 18% of DRAM bandwidth, ~1.9 us a tile; dropping C and
+// the deeper copies gave only 126 -> 122 us), so what pays is blocks enough to fill the GPU: the
+// launcher cuts the parts into pieces (FwdSplit).
 constexpr int kLocalStages = 4;
 template <typename T, int N> struct WgLocalSmem {
     T x[kLocalStages][kQ * kP];
