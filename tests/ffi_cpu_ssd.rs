@@ -541,8 +541,7 @@ fn c_api_host_matches_handlers() {
         let mut fin = vec![f32::NAN; case.state_len()];
         let mut cs_out = HostBuf::from_bytes(&cs_dt.nans(case.chunk_len()));
         let code = dtype.capi();
-        let sizes = [case.batch, case.seqlen, case.heads, case.headdim, case.dstate, case.groups, case.chunk_size];
-        let [batch, seqlen, heads, headdim, dstate, groups, chunk_size] = sizes.map(|n| n as i64);
+        let [batch, seqlen, heads, headdim, dstate, groups, chunk_size] = case.capi_sizes();
         let fwd_args = XlaSsmSsdFwdArgs {
             batch,
             seqlen,

@@ -316,8 +316,7 @@ fn c_api_cuda_case(case: &SsdCase, stream: &Stream) {
     let cs_out = DevBuf::upload(&cs_dt.nans(case.chunk_len()));
     let wsf = DevBuf::upload(&vec![0xffu8; fwd_bytes(case) as usize]);
     result::ctx::synchronize().unwrap();
-    let sizes = [case.batch, case.seqlen, case.heads, case.headdim, case.dstate, case.groups, case.chunk_size];
-    let [batch, seqlen, heads, headdim, dstate, groups, chunk_size] = sizes.map(|n| n as i64);
+    let [batch, seqlen, heads, headdim, dstate, groups, chunk_size] = case.capi_sizes();
     let fwd_args = XlaSsmSsdFwdArgs {
         batch,
         seqlen,

@@ -165,6 +165,11 @@ impl SsdCase {
         }
     }
 
+    /// The C API's size fields: batch, seqlen, heads, headdim, dstate, groups, chunk_size.
+    pub fn capi_sizes(&self) -> [i64; 7] {
+        [self.batch, self.seqlen, self.heads, self.headdim, self.dstate, self.groups, self.chunk_size].map(|n| n as i64)
+    }
+
     /// Tolerance of the forward's f32 states on CUDA.
     pub fn cuda_states_tol(&self) -> Tol {
         if self.tensor_cores() {
