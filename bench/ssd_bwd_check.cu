@@ -5,6 +5,7 @@
 // reverse recurrence (chunk states come from the reference forward); `time` times the kernels.
 // dB and dC through the head sums, or with SSD_BWD_PARTIALS=1 through the per-head partials.
 #include "../kernels/ssd_bwd.cu"
+#include "ssd_split.h"
 
 #include <cuda_runtime.h>
 #include <math.h>
@@ -204,12 +205,14 @@ int main(int argc, char** argv) {
     if (getenv("SSD_BWD_PARTS")) parts = atoll(getenv("SSD_BWD_PARTS"));
     a.chunks_per_part = std::max<int64_t>(1, (NC + parts - 1) / parts);
     a.n_parts = std::max<int64_t>(1, (NC + a.chunks_per_part - 1) / a.chunks_per_part);
-    printf("parts %lld of %lld chunks\n", (long long)a.n_parts, (long long)a.chunks_per_part);
+    a.records_per_part = records_per_part(B * H, a.n_parts, a.chunks_per_part * tpc, "SSD_BWD_RECORDS");
+    printf("parts %lld of %lld chunks, first pass in %lld pieces a part\n", (long long)a.n_parts,
+           (long long)a.chunks_per_part, (long long)a.records_per_part);
     CK(cudaMalloc(&a.da_part, a.n_parts * B * H * 4 + 4));
     CK(cudaMalloc(&a.dbias_part, a.n_parts * B * H * 4 + 4));
     CK(cudaMalloc(&a.dd_part, a.n_parts * B * H * P * 4 + 4));
     CK(cudaMalloc(&a.scratch, a.n_parts * B * H * std::max<int64_t>(tpc - 3, 0) * P * N * 2 + 16));
-    CK(cudaMalloc(&a.records, (a.n_parts - 1) * B * H * (P * N + 1) * 4 + 4));
+    CK(cudaMalloc(&a.records, (a.n_parts - 1) * a.records_per_part * B * H * (P * N + 1) * 4 + 4));
     const int64_t pairs = tpc * (tpc + 1) / 2;
     CK(cudaMalloc(&a.s_chunk, B * H * NC * P * N * 2 + 16));
     CK(cudaMalloc(&a.ds_chunk, B * H * NC * P * N * 2 + 16));
@@ -235,7 +238,7 @@ int main(int argc, char** argv) {
                          : (N == 64 ? ssd_bwd_mma_local_f16_n64 : ssd_bwd_mma_local_f16_n128);
         CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         CK(cudaFuncSetAttribute(kl, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        if ((stages & 1) && B * H > 0 && a.n_parts > 1) kl<<<dim3(unsigned(B * H), unsigned(a.n_parts - 1)), ssd_mma::kThreads, smem>>>(a);
+        if ((stages & 1) && B * H > 0 && a.n_parts > 1) kl<<<dim3(unsigned(B * H), unsigned(a.n_parts - 1) * unsigned(a.records_per_part)), ssd_mma::kThreads, smem>>>(a);
         const unsigned units = unsigned(B * NC * G);
         // As the library launches them (SSD_BWD_PDL=0: all the ordinary way): on the head-sum path
         // chunk_scalars before the main kernel; it and the kernels after the main one launched

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # On a GPU machine: builds bench/ssd_bwd_check.cu and runs its correctness matrix and timings.
 #   bash bench/ssd_bwd_check.sh [check|time|all] [extra nvcc flags...]
+# SSD_ARCH=90 builds the mma.sync first pass instead of the wgmma one (90a, the default on an H100).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mode="${1:-all}"
-nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/ssd_bwd_check bench/ssd_bwd_check.cu "${@:2}" || exit 1
+arch="${SSD_ARCH:-90a}"
+nvcc -O3 -gencode=arch=compute_$arch,code=sm_$arch -std=c++17 -o /tmp/ssd_bwd_check bench/ssd_bwd_check.cu "${@:2}" || exit 1
 fails=0
 run() { echo "== $*"; /tmp/ssd_bwd_check "$@" || fails=$((fails + 1)); }
 if [ "$mode" != time ]; then

@@ -5,6 +5,7 @@
 // and the chunk states with a double-precision recurrence (a sample of heads when the shape is large);
 // `time` also times a device-to-device copy of the bytes the kernel must move.
 #include "../kernels/ssd_fwd.cu"
+#include "ssd_split.h"
 
 #include <cuda_runtime.h>
 #include <math.h>
@@ -51,26 +52,13 @@ static int64_t split_parts(int64_t batch_heads, int64_t n_tiles) {
     return std::max<int64_t>(1, std::min(want, n_tiles));
 }
 
-// The first pass's records per part (mirror of `local_records_per_part` in src/ops/ssd/plan.rs: the
-// count of 1..4 that finishes in the fewest waves x (tiles of a piece + 4)), or $SSD_FWD_RECORDS.
-static int64_t records_per_part(int64_t batch_heads, int64_t parts, int64_t tiles_per_part) {
-    if (parts <= 1) return 1;
-    if (const char* v = getenv("SSD_FWD_RECORDS")) return std::min<int64_t>(std::max<int64_t>(1, atoll(v)), tiles_per_part);
-    const int64_t blocks = batch_heads * (parts - 1);
-    int64_t best = 1, best_cost = INT64_MAX;
-    for (int64_t r = 1; r <= std::min<int64_t>(tiles_per_part, 4); ++r) {
-        const int64_t cost = (blocks * r + 263) / 264 * ((tiles_per_part + r - 1) / r + 4);
-        if (cost < best_cost) best = r, best_cost = cost;
-    }
-    return best;
-}
 
 template <typename T, int N> struct Kern {
     static void run(const SsdParams& p, int64_t parts, cudaStream_t st) {
         const int64_t n_tiles = (p.seqlen + 63) / 64;
         const int64_t tpp = std::max<int64_t>(1, (n_tiles + parts - 1) / parts);
         parts = std::max<int64_t>(1, (n_tiles + tpp - 1) / tpp);
-        const int64_t rpp = records_per_part(p.batch * p.heads, parts, tpp);
+        const int64_t rpp = records_per_part(p.batch * p.heads, parts, tpp, "SSD_FWD_RECORDS");
         const int smem = sizeof(ssd_mma::SyncSmem<T, N>);  // the launcher's size (kernels/ssd_fwd.cu)
 #define SSD_PICK(NAME) (std::is_same<T, bf16>::value ? (N == 64 ? NAME##_bf16_n64 : NAME##_bf16_n128) \
                                                     : (N == 64 ? NAME##_f16_n64 : NAME##_f16_n128))

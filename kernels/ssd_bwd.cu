@@ -21,6 +21,9 @@
 // shared memory, copied out by warps 1-3 while warp 0 forms ddt). dA, ddt_bias and dD go to
 // per-(batch, head) partials; the reduce kernels sum in a fixed order (no atomics: bitwise-repeatable).
 #include "ssd_mma.cuh"
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#include "ssd_local_wgmma.cuh"
+#endif
 
 namespace ssd_mma {
 
@@ -32,11 +35,13 @@ struct SsdBwdMmaParams {
     float* da_part;     // (n_parts, batch, heads)
     float* dbias_part;  // (n_parts, batch, heads)
     float* dd_part;     // (n_parts, batch, heads, kP)
-    // Sequence split (few batch x heads): parts of chunks_per_part chunks; parts 1..n_parts-1 record
-    // the gradient entering them from their own steps and their total decay (log2):
-    // [n_parts - 1][batch * heads][kP * dstate], then [n_parts - 1][batch * heads].
+    // Sequence split (few batch x heads): parts of chunks_per_part chunks. Parts 1..n_parts-1 are
+    // each cut in records_per_part pieces of whole tiles (the last ones shorter or empty), and record
+    // r (part r / records_per_part + 1, piece r % records_per_part) is the gradient entering its piece
+    // from the piece's own steps and their total decay (log2): [n_records][batch * heads][kP * dstate],
+    // then [n_records][batch * heads], n_records = (n_parts - 1) * records_per_part.
     float* records;
-    int64_t chunks_per_part, n_parts;
+    int64_t chunks_per_part, n_parts, records_per_part;
     // Per (batch * heads, chunk), kP x dstate in T, row-major: the state entering the chunk and the
     // gradient of the state leaving it (the main kernel writes them; bc_sums reads them).
     void* s_chunk;
@@ -47,6 +52,16 @@ struct SsdBwdMmaParams {
     // The per-head path (PARTIALS): (batch, seqlen, heads, dstate) T each, summed by reduce_bc.
     void* db_part;
     void* dc_part;
+
+    __device__ __forceinline__ int64_t n_records() const { return (n_parts - 1) * records_per_part; }
+    // The tiles [begin, end) of record r's piece (end <= begin: an empty piece).
+    __device__ __forceinline__ void record_tiles(int64_t r, int64_t& begin, int64_t& end) const {
+        const int64_t tiles_per_part = chunks_per_part * (q.fwd.chunk_size / kQ);
+        const int64_t per_piece = (tiles_per_part + records_per_part - 1) / records_per_part;
+        const int64_t part = r / records_per_part + 1;
+        begin = part * tiles_per_part + (r % records_per_part) * per_piece;
+        end = min(min(begin + per_piece, (part + 1) * tiles_per_part), (q.fwd.seqlen + kQ - 1) / kQ);
+    }
 };
 
 // The states entering tiles 1.. of a chunk, recomputed before the walk back through it, are kept in
@@ -200,10 +215,11 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
     const float A = p.A[h], a_log2 = A * kLog2e, dt_bias = p.dt_bias ? p.dt_bias[h] : 0.f;
     const int64_t state_elems = int64_t(kP) * N;
     const int64_t n_chunks = ssd_chunk_count(p), tiles_per_chunk = p.chunk_size / kQ;
-    const int64_t part = LOCAL ? blockIdx.y + 1 : blockIdx.y, bhs = p.batch * p.heads;
+    // LOCAL: blockIdx.y is a record (a piece of a part), else a part.
+    const int64_t part = LOCAL ? 0 : blockIdx.y, bhs = p.batch * p.heads;
     const int64_t chunk_begin = part * a.chunks_per_part, chunk_end = min(chunk_begin + a.chunks_per_part, n_chunks);
     float* records = a.records;
-    float* record_decay = records + (a.n_parts - 1) * bhs * state_elems;
+    float* record_decay = records + a.n_records() * bhs * state_elems;
     if (tiles_per_chunk - 3 > kScratchSlots) __trap();  // chunk_size past 256: plan.rs sizes no more
     // head_msum does not read what this kernel writes: it may take SMs as this grid's last blocks drain.
     if (!LOCAL && !PARTIALS) pdl_launch_dependents();
@@ -302,7 +318,7 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
     };
 
     // dS: the gradient of the state leaving the current tile. A part starts from dfinal_states folded
-    // back through the records of the parts after it (LOCAL: from zero).
+    // back through the records of the parts after it, last to first (LOCAL: from zero).
     float ds[N / 8][4];
     for_state_pairs<N>(ds, [&](float* acc, int row, int col) {
         float2 v = make_float2(0.f, 0.f);
@@ -311,9 +327,9 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
         acc[0] = v.x;
         acc[1] = v.y;
     });
-    for (int64_t r = LOCAL ? part : a.n_parts - 1; r > part; --r) {
-        const float decay = exp2f(record_decay[(r - 1) * bhs + bh]);
-        const float* rec = records + ((r - 1) * bhs + bh) * state_elems;
+    for (int64_t r = a.n_records() - 1; !LOCAL && r >= part * a.records_per_part; --r) {
+        const float decay = exp2f(record_decay[r * bhs + bh]);
+        const float* rec = records + (r * bhs + bh) * state_elems;
         for_state_pairs<N>(ds, [&](float* acc, int row, int col) {
             const float2 v = *reinterpret_cast<const float2*>(rec + row * N + col);
             acc[0] = fmaf(decay, acc[0], v.x);
@@ -344,19 +360,22 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
     // dS <- 2^cum_last dS + (2^cum o dy)^T C (the tile's dy, C and scalars loaded).
     auto update_ds = [&]() { decay_add_product(ds, dys, reinterpret_cast<const float2*>(sm.sc.ecum), cs); };
     if (LOCAL) {
+        const int64_t r = blockIdx.y;
+        int64_t tile_begin, tile_end;
+        a.record_tiles(r, tile_begin, tile_end);
         float decay_sum = 0.f;
-        for (int64_t t0 = (min(chunk_end * p.chunk_size, p.seqlen) - 1) / kQ * kQ; t0 >= chunk_begin * p.chunk_size; t0 -= kQ) {
+        for (int64_t t0 = (tile_end - 1) * kQ; t0 >= tile_begin * kQ; t0 -= kQ) {
             load_tile(t0, false, true);
             prefetch_tile(t0 - kQ);
             decay_sum += sm.sc.cd[kQ / 2 - 1].z;
             update_ds();
             __syncthreads();
         }
-        float* rec = records + ((part - 1) * bhs + bh) * state_elems;
+        float* rec = records + (r * bhs + bh) * state_elems;
         for_state_pairs<N>(ds, [&](float* acc, int row, int col) {
             *reinterpret_cast<float2*>(rec + row * N + col) = make_float2(acc[0], acc[1]);
         });
-        if (tid == 0) record_decay[(part - 1) * bhs + bh] = decay_sum;
+        if (tid == 0) record_decay[r * bhs + bh] = decay_sum;
         return;
     }
     float dd_acc[kP / 8][2] = {};  // sum of dy x over this thread's (rows, columns 8j + 2(lane%4) (+1))
@@ -1154,10 +1173,31 @@ __device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
     if (a.q.ddt_bias) a.q.ddt_bias[h] = dbias_all;
 }
 
+// The split's first pass: each piece of parts 1..n_parts-1 records the gradient entering it from its
+// own steps and its total decay (grid: batch * heads, then records). On sm_90a at dstate 128 as one
+// long wgmma product (ssd_local_wgmma.cuh).
+template <typename T, int N> __device__ __forceinline__ void ssd_bwd_local(const SsdBwdMmaParams& a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (N == 128) {
+        static_assert(local_shared_bytes<T, N>() <= int(sizeof(BwdSmem<T, N>)), "the launcher's shared memory");
+        const SsdParams& p = a.q.fwd;
+        const int64_t bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads, g = h / (p.heads / p.groups);
+        const int64_t bhs = p.batch * p.heads, state_elems = int64_t(kP) * N;
+        int64_t tile_begin, tile_end;
+        a.record_tiles(blockIdx.y, tile_begin, tile_end);
+        const int64_t at = blockIdx.y * bhs + bh;
+        float* record_decay = a.records + a.n_records() * bhs * state_elems;
+        local_sum_wgmma<T, N, false>(p, b, h, g, a.q.dy, p.C, tile_begin, tile_end, a.records + at * state_elems,
+                                     record_decay + at);
+        return;
+    }
+#endif
+    ssd_bwd_mma<T, N, true, false>(a);
+}
 }  // namespace ssd_mma
 
-// extern "C" entry points: ssd_bwd_mma[_local|_partials]_<T>_n<N> (grid (batch * heads, n_parts
-// [- 1]), kThreads threads, sizeof(BwdSmem<T, N>) bytes of dynamic shared memory); after _partials
+// extern "C" entry points: ssd_bwd_mma[_local|_partials]_<T>_n<N> (grid (batch * heads, n_parts, or
+// for _local n_records), kThreads threads, sizeof(BwdSmem<T, N>) bytes of dynamic shared memory); after _partials
 // ssd_bwd_reduce_bc_<T> (grid-stride over (batch, seqlen, groups, dstate / 8)); else before it
 // ssd_bwd_chunk_scalars_<T> (a warp per (batch, chunk, head)) and after it ssd_bwd_head_msum_<T> (grid
 // batch * n_chunks * groups * msum_split, 32 kMsumWarps threads, msum_shared_bytes(chunk_size)),
@@ -1175,7 +1215,7 @@ __device__ __forceinline__ void reduce_params(const SsdBwdMmaParams& a) {
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                             \
         ssd_bwd_mma_local_##T##_n##N(const ssd_mma::SsdBwdMmaParams a) {                           \
-        ssd_mma::ssd_bwd_mma<T, N, true, false>(a);                                                \
+        ssd_mma::ssd_bwd_local<T, N>(a);                                                           \
     }
 SSD_BWD_MMA(bf16, 64)
 SSD_BWD_MMA(bf16, 128)

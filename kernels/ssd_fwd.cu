@@ -12,6 +12,7 @@
 #include "ssd_fwd_sync.cuh"
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "ssd_fwd_wgmma.cuh"
+#include "ssd_local_wgmma.cuh"
 #endif
 
 namespace ssd_mma {
@@ -21,8 +22,16 @@ template <typename T, int N, bool LOCAL, bool GATED>
 __device__ __forceinline__ void ssd_fwd(const SsdParams& p, const FwdSplit& split) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if constexpr (N == 128) {
-        if constexpr (LOCAL) ssd_fwd_wgmma_local<T, N>(p, split);
-        else ssd_fwd_wgmma<T, N, GATED>(p, split);
+        if constexpr (LOCAL) {
+            static_assert(local_shared_bytes<T, N>() <= int(sizeof(SyncSmem<T, N>)), "the launcher's shared memory");
+            const FwdBlock blk(p, split, std::true_type{});
+            const PartRecords rec = PartRecords::make<N>(p, split);
+            const int64_t at = blk.part * rec.per_part + blk.bh;
+            local_sum_wgmma<T, N, true>(p, blk.b, blk.h, blk.g, p.x, p.B, blk.tile_begin, blk.tile_end,
+                                        rec.states + at * kP * N, rec.decays + at);
+        } else {
+            ssd_fwd_wgmma<T, N, GATED>(p, split);
+        }
         return;
     }
 #endif

@@ -53,23 +53,27 @@ struct FwdBlock {
     }
 };
 
-// This thread's cp.async chunks of a tile's x, B and C rows (x: also where y goes, same layout).
-// `issue` copies the tile starting at step t0, rows past the sequence zero-filled; x_at / bc_at
-// (row, col) give the byte offset of element (row, col) in the kernel's shared layout of x / B, C.
-// WITH_C false (the split's first pass, which computes no y) leaves C out.
+// This thread's cp.async chunks of a tile's x, B and C rows (x: also where y goes, same layout) of
+// (b, h, g): x, B, C are the forward's, or any arrays of their shapes (the backward's first pass takes
+// dy and C for x and B). `issue` copies the tile starting at step t0, rows past the sequence
+// zero-filled; x_at / bc_at (row, col) give the byte offset of element (row, col) in the kernel's
+// shared layout of x / B, C. WITH_C false (a first pass, which computes no y) leaves C out.
 template <typename T, int N> struct TileLoads {
     const TileCopy<kP> xcopy;
     const TileCopy<N> bccopy;
     int64_t seqlen, x_step, bc_step, x_off;
     const T *x_src, *b_src, *c_src;
-    __device__ __forceinline__ TileLoads(const SsdParams& p, const FwdBlock& blk)
+    __device__ __forceinline__ TileLoads(const SsdParams& p, int64_t b, int64_t h, int64_t g, const void* x,
+                                         const void* B, const void* C)
         : seqlen(p.seqlen), x_step(p.heads * kP), bc_step(p.groups * N),
-          x_off(((blk.b * p.seqlen + xcopy.row0) * p.heads + blk.h) * kP + xcopy.col) {
-        const int64_t bc_off = ((blk.b * p.seqlen + bccopy.row0) * p.groups + blk.g) * N + bccopy.col;
-        x_src = static_cast<const T*>(p.x) + x_off;
-        b_src = static_cast<const T*>(p.B) + bc_off;
-        c_src = static_cast<const T*>(p.C) + bc_off;
+          x_off(((b * p.seqlen + xcopy.row0) * p.heads + h) * kP + xcopy.col) {
+        const int64_t bc_off = ((b * p.seqlen + bccopy.row0) * p.groups + g) * N + bccopy.col;
+        x_src = static_cast<const T*>(x) + x_off;
+        b_src = static_cast<const T*>(B) + bc_off;
+        c_src = static_cast<const T*>(C) + bc_off;
     }
+    __device__ __forceinline__ TileLoads(const SsdParams& p, const FwdBlock& blk)
+        : TileLoads(p, blk.b, blk.h, blk.g, p.x, p.B, p.C) {}
     template <bool WITH_C, typename XAt, typename BCAt>
     __device__ __forceinline__ void issue(int64_t t0, T* x, T* b, T* c, XAt x_at, BCAt bc_at) const {
 #pragma unroll

@@ -16,11 +16,11 @@
 
 namespace ssd_mma {
 
-// Shared tiles of 64 rows, 128-byte swizzled in blocks of 64 columns (wgmma::swizzled), 1024-byte aligned.
-constexpr int kBlockBytes = 64 * 128;
-__device__ __forceinline__ uint32_t tile_byte(int row, int col) {
-    return uint32_t(col / 64) * kBlockBytes + wgmma::swizzled(row, col % 64);
-}
+// Shared tiles of 64 rows, 128-byte swizzled in blocks of 64 columns (wgmma::tile_byte).
+using wgmma::kBlockBytes;
+using wgmma::kLbo;
+using wgmma::kSbo;
+using wgmma::tile_byte;
 template <typename T, int N> struct WgSmem {
     T x[2][kQ * kP];
     T b[2][kQ * N];
@@ -34,7 +34,6 @@ template <typename T, int N> constexpr int wgmma_shared_bytes() { return int(siz
 static_assert(wgmma_shared_bytes<bf16, 128>() <= int(sizeof(SyncSmem<bf16, 128>)) &&
                   wgmma_shared_bytes<f16, 64>() <= int(sizeof(SyncSmem<f16, 64>)),
               "the launcher sizes shared memory for the mma.sync kernel");
-constexpr uint32_t kLbo = kBlockBytes, kSbo = 8 * 128;  // descriptors: N-major blocks; 8-row groups
 
 // One tile's state update S <- 2^cum_last S + (w o x)^T B, in two steps: `prepare` decays S and loads
 // (w o x)^T's A fragments (ldmatrix.trans of x's rows s = steps, scaled by w_s) before any product is
@@ -241,77 +240,6 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit
     }
 
     store_part_state<N, false>(s, p, rec, bh, part, int(split.n_parts), 0.f);
-}
-
-// The split's first pass: a piece's end state from zero and its total decay (log2), per tile
-// S <- 2^cum_last S + (w o x)^T B. It reads only x, B and dt, its copies kLocalStages - 1 tiles ahead
-// in the shared memory the y products of the main kernel take. Its tiles are latency-bound (ncu,
-// 1x16384x64x64x128 on an H200: 9% occupancy, 18% of DRAM bandwidth, ~1.9 us a tile; dropping C and
-// the deeper copies gave only 126 -> 122 us), so what pays is blocks enough to fill the GPU: the
-// launcher cuts the parts into pieces (FwdSplit).
-constexpr int kLocalStages = 4;
-template <typename T, int N> struct WgLocalSmem {
-    T x[kLocalStages][kQ * kP];
-    T b[kLocalStages][kQ * N];
-    TileScalars sc[2];  // of tiles with even / odd index
-};
-static_assert(int(sizeof(WgLocalSmem<bf16, 128>)) + 1024 <= int(sizeof(SyncSmem<bf16, 128>)),
-              "the launcher sizes shared memory for the mma.sync kernel");
-
-template <typename T, int N>
-__device__ __forceinline__ void ssd_fwd_wgmma_local(const SsdParams& p, const FwdSplit& split) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    const uint32_t raw_addr = smem_addr(smem_raw);
-    WgLocalSmem<T, N>& sm = *reinterpret_cast<WgLocalSmem<T, N>*>(smem_raw + (((raw_addr + 1023) & ~1023u) - raw_addr));
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const FwdBlock blk(p, split, std::true_type{});
-    const int64_t n_tiles = max(blk.tile_end - blk.tile_begin, int64_t(0));
-    const float a_log2 = p.A[blk.h] * kLog2e;
-    const PartRecords rec = PartRecords::make<N>(p, split);
-    float s[N / 8][4];
-    load_part_state<N, true>(s, p, rec, blk.bh, 0);
-
-    const TileLoads<T, N> loads(p, blk);
-    auto load = [&](int64_t i, int stage) {
-        loads.template issue<false>((blk.tile_begin + i) * kQ, sm.x[stage], sm.b[stage], nullptr, tile_byte, tile_byte);
-    };
-    // Scalars one tile ahead, dt two (as in the main kernel).
-    float dt_raw[2];
-    const bool sc_store = (lane >> 3) == warp;
-    load_dt<T>(p, blk.b, blk.h, blk.tile_begin * kQ, dt_raw);
-    tile_scalars(sm.sc[blk.tile_begin & 1], p, blk.h, a_log2, blk.tile_begin * kQ, dt_raw, sc_store);
-    load_dt<T>(p, blk.b, blk.h, (blk.tile_begin + 1) * kQ, dt_raw);
-
-    float decay_sum = 0.f;
-    for (int stage = 0; stage < kLocalStages - 1; ++stage) {
-        if (stage < n_tiles) load(stage, stage);
-        cp_async_commit();
-    }
-    for (int64_t i = 0; i < n_tiles; ++i) {
-        const int64_t tile = blk.tile_begin + i, ahead = i + kLocalStages - 1;
-        const int stage = int(i % kLocalStages);
-        if (ahead < n_tiles) load(ahead, int(ahead % kLocalStages));
-        cp_async_commit();
-        cp_async_wait_group<kLocalStages - 1>();
-        wgmma::fence_shared_to_async();
-        __syncthreads();
-
-        const TileScalars& sc = sm.sc[tile & 1];
-        decay_sum += sc.cd[kQ / 2 - 1].z;
-        StateUpdate<T, N> update;
-        update.prepare(s, smem_addr(sm.x[stage]), sc);
-        wgmma::fence();
-        update.issue(s, smem_addr(sm.b[stage]));
-        if (tile + 1 < blk.tile_end) {
-            tile_scalars(sm.sc[(tile & 1) ^ 1], p, blk.h, a_log2, (tile + 1) * kQ, dt_raw, sc_store);
-            load_dt<T>(p, blk.b, blk.h, (tile + 2) * kQ, dt_raw);
-        }
-        wgmma::wait<0>();
-        wgmma::pin(s);
-        update.hold();
-        __syncthreads();  // before a later copy refills this stage, or the scalars' next write
-    }
-    store_part_state<N, true>(s, p, rec, blk.bh, blk.part, int(split.n_parts), decay_sum);
 }
 
 }  // namespace ssd_mma

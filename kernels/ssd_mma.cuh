@@ -127,29 +127,40 @@ __device__ __forceinline__ void load_dt(const SsdParams& p, int64_t b, int64_t h
     }
 }
 
-// One warp turns the raw dt of a tile into its scalars; lane l owns steps 2l and 2l + 1 and stores
-// them when `store`. dt is after bias/softplus/clamp, and 0 past the end (padding steps neither decay
-// nor add).
+// One warp's running sum of dt * A (log2 units) through a tile from its raw dt: lane l owns steps 2l
+// and 2l + 1, with dt after bias/softplus/clamp (0 past the end: padding steps neither decay nor
+// add), cum[e] the sum through step 2l + e, `last` the tile's total.
+struct TileCum {
+    float dt[2], cum[2], last;
+    __device__ __forceinline__ TileCum(const SsdParams& p, int64_t h, float a_log2, int64_t t0, const float (&raw)[2]) {
+        const int lane = threadIdx.x & 31;
+        float a[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            dt[e] = t0 + 2 * lane + e < p.seqlen ? ssd_dt(p, raw[e], h) : 0.f;
+            a[e] = dt[e] * a_log2;
+        }
+        float run = a[0] + a[1];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float other = __shfl_up_sync(0xffffffffu, run, o);
+            if (lane >= o) run += other;
+        }
+        cum[0] = run - a[1];
+        cum[1] = run;
+        last = __shfl_sync(0xffffffffu, run, 31);
+    }
+};
+
+// One warp turns the raw dt of a tile into its scalars, stored when `store`.
 __device__ __forceinline__ void tile_scalars(TileScalars& out, const SsdParams& p, int64_t h, float a_log2,
                                              int64_t t0, const float (&raw)[2], bool store = true) {
     const int lane = threadIdx.x & 31;
-    float dt[2], a[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-        dt[e] = t0 + 2 * lane + e < p.seqlen ? ssd_dt(p, raw[e], h) : 0.f;
-        a[e] = dt[e] * a_log2;
-    }
-    float run = a[0] + a[1];
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const float other = __shfl_up_sync(0xffffffffu, run, o);
-        if (lane >= o) run += other;
-    }
-    const float c0 = run - a[1], c1 = run;
-    const float last = __shfl_sync(0xffffffffu, run, 31);
+    const TileCum c(p, h, a_log2, t0, raw);
     if (!store) return;
-    out.cd[lane] = make_float4(c0, dt[0], c1, dt[1]);
-    out.w[lane] = make_float2(ex2_ftz(last - c0) * dt[0], ex2_ftz(last - c1) * dt[1]);
+    const float c0 = c.cum[0], c1 = c.cum[1];
+    out.cd[lane] = make_float4(c0, c.dt[0], c1, c.dt[1]);
+    out.w[lane] = make_float2(ex2_ftz(c.last - c0) * c.dt[0], ex2_ftz(c.last - c1) * c.dt[1]);
     out.ecum[2 * lane] = ex2_ftz(c0);
     out.ecum[2 * lane + 1] = ex2_ftz(c1);
 }

@@ -39,6 +39,7 @@ struct BwdMmaParams {
     records: *mut f32,
     chunks_per_part: i64,
     n_parts: i64,
+    records_per_part: i64,
     s_chunk: *mut c_void,
     ds_chunk: *mut c_void,
     scal: *mut c_void,
@@ -150,6 +151,7 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
         records: at(layout.records) as *mut f32,
         chunks_per_part: layout.chunks_per_part,
         n_parts: layout.n_parts,
+        records_per_part: layout.records_per_part,
         s_chunk: at(layout.s_chunk) as *mut c_void,
         ds_chunk: at(layout.ds_chunk) as *mut c_void,
         scal: at(layout.scal) as *mut c_void,
@@ -189,7 +191,7 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
     let types = format!("{}_n{}", bwd.dtype.name(), p.dstate);
     let smem = bwd_shared_bytes(p.dstate);
     if layout.n_parts > 1 {
-        let config = blocks(p, layout.n_parts - 1, smem);
+        let config = blocks(p, (layout.n_parts - 1) * layout.records_per_part, smem);
         launch(stream, BWD_MODULE, &format!("ssd_bwd_mma_local_{types}"), config, &args)?;
     }
     let name = bwd.dtype.name();

@@ -219,10 +219,10 @@ const MAX_LOCAL_RECORDS: i64 = 4;
 /// tiles: fitted to the H200 timings in BENCHMARKS.md (stop 31).
 const LOCAL_BLOCK_TILES: i64 = 4;
 
-/// Pieces per part of the forward's first pass: the first pass of 1 x 16384 x 64 heads has 192
-/// blocks of 64 tiles, three quarters of a wave of the 264 the GPU holds. More pieces fill the GPU
-/// with shorter blocks; the count taken finishes in the fewest tile-times, waves x (tiles of a piece
-/// + LOCAL_BLOCK_TILES), the fewest pieces on a tie.
+/// Pieces per part of a first pass (the forward's and the backward's): the first pass of 1 x 16384 x
+/// 64 heads has 192 blocks of 64 tiles, three quarters of a wave of the 264 the GPU holds. More
+/// pieces fill the GPU with shorter blocks; the count taken finishes in the fewest tile-times,
+/// waves x (tiles of a piece + LOCAL_BLOCK_TILES), the fewest pieces on a tie.
 fn local_records_per_part(bh: i64, n_parts: i64, tiles_per_part: i64) -> i64 {
     if n_parts <= 1 {
         return 1;
@@ -291,7 +291,11 @@ pub struct MmaBwdLayout {
     pub da_part: i64,
     pub dbias_part: i64,
     pub dd_part: i64,
-    /// (n_parts - 1, batch * heads, headdim * dstate + 1) f32: the later parts' gradients and decays.
+    /// The first pass cuts each of parts 1.. in this many pieces, a record each (as the forward's:
+    /// `local_records_per_part`).
+    pub records_per_part: i64,
+    /// ((n_parts - 1) * records_per_part, batch * heads, headdim * dstate + 1) f32: the later parts'
+    /// pieces' gradients and decays.
     pub records: i64,
     pub bytes: i64,
 }
@@ -325,7 +329,8 @@ pub fn mma_bwd_layout(s: &Shape) -> MmaBwdLayout {
     let da_part = c.take(n_parts * bh * 4);
     let dbias_part = c.take(n_parts * bh * 4);
     let dd_part = c.take(n_parts * bh * s.headdim * 4);
-    let records = c.take((n_parts - 1) * bh * (state + 1) * 4);
+    let records_per_part = local_records_per_part(bh, n_parts, chunks_per_part * s.chunk_size / MMA_TILE);
+    let records = c.take((n_parts - 1) * records_per_part * bh * (state + 1) * 4);
     MmaBwdLayout {
         n_parts,
         chunks_per_part,
@@ -344,6 +349,7 @@ pub fn mma_bwd_layout(s: &Shape) -> MmaBwdLayout {
         da_part,
         dbias_part,
         dd_part,
+        records_per_part,
         records,
         bytes: c.total(),
     }
@@ -435,7 +441,7 @@ mod tests {
                 (l.da_part, l.n_parts * bh * 4),
                 (l.dbias_part, l.n_parts * bh * 4),
                 (l.dd_part, l.n_parts * bh * 64 * 4),
-                (l.records, (l.n_parts - 1) * bh * (state + 1) * 4),
+                (l.records, (l.n_parts - 1) * l.records_per_part * bh * (state + 1) * 4),
             ];
             for (i, &(at, len)) in spans.iter().enumerate() {
                 assert_eq!(at % ALIGN, 0);
@@ -482,6 +488,24 @@ mod tests {
         let s = shape(1, 16384);
         assert_eq!(mma_fwd_bytes(&s), 12 * mma_fwd_record_bytes(&s) + ALIGN);
         assert_eq!(mma_fwd_bytes(&shape(8, 2048)), 0);
+    }
+
+    #[test]
+    fn mma_bwd_split_fills_the_gpu() {
+        // (n_parts, chunks_per_part, records_per_part): parts of whole chunks, one wave of them; the
+        // first pass's pieces as the forward's.
+        let split = |batch, seqlen| {
+            let l = mma_bwd_layout(&mamba2(batch, seqlen));
+            (l.n_parts, l.chunks_per_part, l.records_per_part)
+        };
+        assert_eq!(split(1, 16384), (4, 16, 4));
+        assert_eq!(split(2, 8192), (2, 16, 2));
+        assert_eq!(split(1, 4096), (4, 4, 1));
+        assert_eq!(split(8, 2048), (1, 8, 1));
+        // Fewer chunks than a part's pieces would want: at most one piece per tile.
+        let short = Shape { heads: 1, ..mamba2(1, 3 * 256) };
+        let l = mma_bwd_layout(&short);
+        assert_eq!((l.n_parts, l.chunks_per_part, l.records_per_part), (3, 1, 4));
     }
 
     /// The workspace functions size for the path that runs: where the tensor-core kernels apply the
