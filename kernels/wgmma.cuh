@@ -1,6 +1,7 @@
-// Hopper warpgroup MMA (wgmma.mma_async) for the SSD kernels (ssd_fwd.cu, ssd_local_wgmma.cuh): shared-memory matrix
-// descriptors for 128-byte-swizzled tiles, and the four shapes the kernels issue. A block of 128
-// threads is one warpgroup; accumulators use mma.sync's layout per warp (warp w: rows 16w..16w+15).
+// Hopper warpgroup MMA (wgmma.mma_async) for the SSD kernels (ssd_fwd_wgmma.cuh, ssd_local_wgmma.cuh):
+// shared-memory matrix descriptors for 128-byte-swizzled tiles, and the four shapes the kernels
+// issue. A block of 128 threads is one warpgroup; accumulators use mma.sync's layout per warp (warp w:
+// rows 16w..16w+15).
 #pragma once
 #include <cstdint>
 #include <cuda_bf16.h>
