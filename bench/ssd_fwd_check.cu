@@ -52,7 +52,6 @@ static int64_t split_parts(int64_t batch_heads, int64_t n_tiles) {
     return std::max<int64_t>(1, std::min(want, n_tiles));
 }
 
-
 template <typename T, int N> struct Kern {
     static void run(const SsdParams& p, int64_t parts, cudaStream_t st) {
         const int64_t n_tiles = (p.seqlen + 63) / 64;

@@ -56,11 +56,8 @@ struct SsdBwdMmaParams {
     __device__ __forceinline__ int64_t n_records() const { return (n_parts - 1) * records_per_part; }
     // The tiles [begin, end) of record r's piece (end <= begin: an empty piece).
     __device__ __forceinline__ void record_tiles(int64_t r, int64_t& begin, int64_t& end) const {
-        const int64_t tiles_per_part = chunks_per_part * (q.fwd.chunk_size / kQ);
-        const int64_t per_piece = (tiles_per_part + records_per_part - 1) / records_per_part;
-        const int64_t part = r / records_per_part + 1;
-        begin = part * tiles_per_part + (r % records_per_part) * per_piece;
-        end = min(min(begin + per_piece, (part + 1) * tiles_per_part), (q.fwd.seqlen + kQ - 1) / kQ);
+        piece_tiles(chunks_per_part * (q.fwd.chunk_size / kQ), records_per_part, r / records_per_part + 1,
+                    r % records_per_part, (q.fwd.seqlen + kQ - 1) / kQ, begin, end);
     }
 };
 

@@ -11,14 +11,11 @@ namespace ssd_mma {
 
 // The sequence split (mirror of `MmaFwdSplit`, src/ops/ssd/plan.rs): the main kernel scans n_parts
 // parts of tiles_per_part tiles; the first pass (LOCAL) scans every part but the last in
-// records_per_part pieces of tiles_per_record() tiles (the last ones shorter or empty), so that it has
-// blocks enough to fill the GPU, and records each piece's end state from zero and its total decay.
+// records_per_part pieces (piece_tiles), so that it has blocks enough to fill the GPU, and records
+// each piece's end state from zero and its total decay.
 struct FwdSplit {
     int64_t tiles_per_part, n_parts, records_per_part;
     __device__ __forceinline__ int64_t n_records() const { return (n_parts - 1) * records_per_part; }
-    __device__ __forceinline__ int64_t tiles_per_record() const {
-        return (tiles_per_part + records_per_part - 1) / records_per_part;
-    }
 };
 
 // The split's records in the workspace: [n_records][batch * heads][kP][N] end states from zero, then
@@ -40,16 +37,13 @@ struct FwdBlock {
     template <bool LOCAL>
     __device__ __forceinline__ FwdBlock(const SsdParams& p, const FwdSplit& split, std::integral_constant<bool, LOCAL>)
         : bh(blockIdx.x), part(blockIdx.y), b(bh / p.heads), h(bh % p.heads), g(h / (p.heads / p.groups)) {
-        int64_t end;
+        const int64_t n_tiles = (p.seqlen + kQ - 1) / kQ;
         if (LOCAL) {
-            const int64_t of = part / split.records_per_part, piece = part % split.records_per_part;
-            tile_begin = of * split.tiles_per_part + piece * split.tiles_per_record();
-            end = min(tile_begin + split.tiles_per_record(), (of + 1) * split.tiles_per_part);
+            const int64_t rpp = split.records_per_part;
+            piece_tiles(split.tiles_per_part, rpp, part / rpp, part % rpp, n_tiles, tile_begin, tile_end);
         } else {
-            tile_begin = part * split.tiles_per_part;
-            end = tile_begin + split.tiles_per_part;
+            piece_tiles(split.tiles_per_part, 1, part, 0, n_tiles, tile_begin, tile_end);
         }
-        tile_end = min(end, (p.seqlen + kQ - 1) / kQ);
     }
 };
 

@@ -106,6 +106,15 @@ __device__ __forceinline__ void store_state_t(float (&s)[N / 8][4], T* base, int
     }
 }
 
+// The sequence split's first passes cut a part (tiles_per_part tiles of a sequence of n_tiles) in
+// `pieces` pieces of whole tiles, the last ones shorter or empty: the tiles [begin, end) of one.
+__device__ __forceinline__ void piece_tiles(int64_t tiles_per_part, int64_t pieces, int64_t part, int64_t piece,
+                                            int64_t n_tiles, int64_t& begin, int64_t& end) {
+    const int64_t per_piece = (tiles_per_part + pieces - 1) / pieces;
+    begin = part * tiles_per_part + piece * per_piece;
+    end = min(min(begin + per_piece, (part + 1) * tiles_per_part), n_tiles);
+}
+
 // Where this thread's cp.async chunks of a tile with COLS-element rows go: rows row0 + k * kRowStep.
 template <int COLS> struct TileCopy {
     static constexpr int kChunksPerRow = COLS / 8;
