@@ -270,7 +270,7 @@ int main(int argc, char** argv) {
             CK(cudaFuncSetAttribute(msum, cudaFuncAttributeMaxDynamicSharedMemorySize, msum_smem));
             // (Only right after the main kernel: it reads chunk_scalars' output.)
             launch_pdl(msum, dim3(unsigned(units * a.msum_split)), 32 * ssd_mma::kMsumWarps, msum_smem, stages & 1);
-            const int bc_smem = int(ssd_mma::kBcStages * (N == 64 ? ssd_mma::BcStage<bf16, 64>(chunk).bytes : ssd_mma::BcStage<bf16, 128>(chunk).bytes));
+            const int bc_smem = int(N == 64 ? ssd_mma::bc_shared_bytes<64>(chunk) : ssd_mma::bc_shared_bytes<128>(chunk));
             auto bc = g_bf16 ? (N == 64 ? ssd_bwd_bc_sums_bf16_n64 : ssd_bwd_bc_sums_bf16_n128)
                              : (N == 64 ? ssd_bwd_bc_sums_f16_n64 : ssd_bwd_bc_sums_f16_n128);
             CK(cudaFuncSetAttribute(bc, cudaFuncAttributeMaxDynamicSharedMemorySize, bc_smem));

@@ -44,8 +44,10 @@ template <int N> __device__ __forceinline__ void cp_async_wait_group() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 // body(i, stage) for i in [0, n), the block's copies for item i issued STAGES - 1 items ahead by
-// load(i, stage) (cp.async only; one commit group per item) into ring slot `stage`.
-template <int STAGES, typename Load, typename Body>
+// load(i, stage) (cp.async only; one commit group per item) into ring slot `stage`. ASYNC_READS: the
+// body reads the copies with the async proxy (wgmma operands), so each thread fences its landed copies
+// toward it before the barrier.
+template <int STAGES, bool ASYNC_READS = false, typename Load, typename Body>
 __device__ __forceinline__ void cp_async_pipeline(int64_t n, Load load, Body body) {
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < n) load(int64_t(s), s);
@@ -56,6 +58,9 @@ __device__ __forceinline__ void cp_async_pipeline(int64_t n, Load load, Body bod
         if (next < n) load(next, int(next % STAGES));
         cp_async_commit();
         cp_async_wait_group<STAGES - 1>();
+#if __CUDA_ARCH__ >= 900
+        if constexpr (ASYNC_READS) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
         __syncthreads();
         body(i, int(i % STAGES));
         __syncthreads();  // before a later load refills this slot

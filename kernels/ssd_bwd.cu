@@ -21,6 +21,7 @@
 // shared memory, copied out by warps 1-3 while warp 0 forms ddt). dA, ddt_bias and dD go to
 // per-(batch, head) partials; the reduce kernels sum in a fixed order (no atomics: bitwise-repeatable).
 #include "ssd_mma.cuh"
+#include "wgmma.cuh"  // tile_byte: bc_sums' state tiles (its wgmma only on sm_90a)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "ssd_local_wgmma.cuh"
 #endif
@@ -115,6 +116,51 @@ template <typename T> __device__ __forceinline__ void scale_a_rows_t2(uint32_t a
         a[r] = *reinterpret_cast<const uint32_t*>(&v);
     }
 }
+// The same with f split into two T parts (hi = f rounded, lo = f - hi rounded): fma(a, hi, a lo) is
+// within about one rounding of the f32 product, in two T-pair instructions a register instead of
+// scale_a_rows' five (unpack, two multiplies, pack).
+template <typename T> __device__ __forceinline__ void scale_a_rows_split(uint32_t a[4], float lo, float hi) {
+    using T2 = typename Ops<T>::T2;
+    const T2 lo_hi = Ops<T>::pack2(lo, lo), hi_hi = Ops<T>::pack2(hi, hi);
+    const float2 lo_r = Ops<T>::unpack2(lo_hi), hi_r = Ops<T>::unpack2(hi_hi);
+    const T2 f_hi[2] = {lo_hi, hi_hi}, f_lo[2] = {Ops<T>::pack2(lo - lo_r.x, lo - lo_r.x), Ops<T>::pack2(hi - hi_r.x, hi - hi_r.x)};
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const T2 v = *reinterpret_cast<const T2*>(&a[r]);
+        const T2 out = __hfma2(v, f_hi[r & 1], __hmul2(v, f_lo[r & 1]));
+        a[r] = *reinterpret_cast<const uint32_t*>(&out);
+    }
+}
+// A thread's share of copying a chunk's rows of one head (kP elements each, `row_stride` elements
+// apart in global memory) into a shared tile of pitch pitch<kP>() with 2 chunk_size threads (bc_sums'
+// blocks): 16-byte cp.async pieces of kPieces rows, chunk / 4 rows apart, at one column; rows from
+// `valid_rows` on zero-filled. Set up once, so that a head's copy is an add or two a piece (a loop over
+// the pieces with 64-bit index arithmetic was most of bc_sums' instructions; in head_msum, bound by
+// its products' latencies, the same change saved nothing). Offsets fit 32 bits (heads * headdim *
+// chunk_size < 2^31).
+struct ChunkRows {
+    static constexpr int kPieces = 4;  // chunk * kP / 8 pieces over 2 chunk threads
+    int dst0, dst_step, src0, src_step;  // dst: bytes in the tile; src: elements from the head's first row
+    uint32_t valid;                      // bit k: piece k lies inside the sequence
+    __device__ __forceinline__ ChunkRows(int chunk, int valid_rows, int64_t row_stride) {
+        const int row0 = threadIdx.x / (kP / 8), col = threadIdx.x % (kP / 8) * 8, row_step = chunk / kPieces;
+        dst0 = (row0 * pitch<kP>() + col) * 2;
+        dst_step = row_step * pitch<kP>() * 2;
+        src0 = int(row0 * row_stride + col);
+        src_step = int(row_step * row_stride);
+        valid = 0;
+#pragma unroll
+        for (int k = 0; k < kPieces; ++k) valid |= uint32_t(row0 + k * row_step < valid_rows) << k;
+    }
+    // head_rows: the head's first row of the chunk (element (chunk start, head, 0)).
+    template <typename T> __device__ __forceinline__ void issue(unsigned char* tile, const T* head_rows) const {
+#pragma unroll
+        for (int k = 0; k < kPieces; ++k) {
+            const bool in = (valid >> k) & 1;
+            cp_async16(tile + dst0 + k * dst_step, in ? head_rows + src0 + k * src_step : head_rows, in);
+        }
+    }
+};
 // dst[0..8) = src[0..8) * f in T arithmetic (16-byte shared accesses).
 template <typename T> __device__ __forceinline__ void scale8(T* dst, const T* src, float f) {
     using T2 = typename Ops<T>::T2;
@@ -797,19 +843,22 @@ constexpr int kBcStages = SSD_BC_STAGES;
 constexpr int kMsumMaxSplit = 2;
 
 // head_msum's shared memory: per pipeline stage a head's dy and x over the chunk and its {cum, dt};
-// then, shared by the stages, x's rows but the last tile's scaled for the off-diagonal tiles.
+// then, shared by the stages, x's rows but the last tile's scaled for the off-diagonal tiles. The rows
+// (kP = 64 2-byte elements, 128 bytes) lie in wgmma::tile_byte's swizzled layout, each 64-row tile
+// 1024-byte aligned (stages are whole KiB).
 struct MsumStage {
     int64_t dy, x, sc, bytes;
     __device__ __host__ explicit MsumStage(int64_t chunk) {
         dy = 0;
-        x = dy + chunk * pitch<kP>() * 2;  // 2-byte elements
-        sc = x + chunk * pitch<kP>() * 2;
-        bytes = sc + chunk * 8;
+        x = dy + chunk * kP * 2;
+        sc = x + chunk * kP * 2;
+        bytes = (sc + chunk * 8 + 1023) / 1024 * 1024;
     }
 };
-// The whole: two stages, then the scaled x (mirror of msum_shared_bytes in src/ops/ssd/cuda_mma.rs).
+// The whole (mirror of msum_shared_bytes in src/ops/ssd/cuda_mma.rs): two stages, the scaled x, and
+// slack to align them to 1024 bytes.
 __device__ __host__ inline int64_t msum_shared_bytes(int64_t chunk) {
-    return 2 * MsumStage(chunk).bytes + (chunk - kQ) * pitch<kP>() * 2;
+    return 2 * MsumStage(chunk).bytes + (chunk - kQ) * kP * 2 + 1024;
 }
 constexpr int kMsumWarps = 8;
 // Tasks (16 rows x 64 columns of one tile pair) per warp at chunk_size 256: 10 pairs x 4 / 8 warps.
@@ -818,12 +867,15 @@ constexpr int kMsumTasks = 5;
 // Grid (batch * n_chunks * groups) x msum_split, kMsumWarps warps: each block reads its range of a
 // group's heads' x and dy over the chunk once and forms every tile pair, the diagonal pairs' tasks
 // (16 rows x 64 columns) first. Off the diagonal the decay is split between the operands (below).
-// (Skipping the diagonal tiles' all-masked column blocks made it slower: 171 -> 226 us at the main
-// shape.)
+// Task 4 q + r is rows 16 r.. of pair q, and warp w takes tasks w + 8 u: the four warps of a
+// warpgroup hold one pair's four row blocks, so that on sm_90a the pair's products are the
+// warpgroup's wgmma (dy and x in 128-byte-swizzled tiles; 153 -> 119 us at the main shape on an
+// H200), elsewhere mma.sync. (Skipping the diagonal tiles' all-masked column blocks made the
+// mma.sync version slower: 171 -> 226 us at the main shape.)
 template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaParams& a) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    extern __shared__ __align__(16) unsigned char smem_base[];
+    unsigned char* const smem_raw = smem_base + (((smem_addr(smem_base) + 1023) & ~1023u) - smem_addr(smem_base));
     pdl_launch_dependents();  // bc_sums waits for this grid before it starts
-    constexpr int PX = pitch<kP>(), E = sizeof(T);
     const SsdParams& p = a.q.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
     const int64_t n_chunks = ssd_chunk_count(p), hpg = p.heads / p.groups;
@@ -841,20 +893,19 @@ template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaP
     const int valid_rows = int(min(p.chunk_size, p.seqlen - c0));
     auto load = [&](int64_t i, int stage) {
         const int64_t h = h_begin + i, base = chunk_base + h * kP;
-        T* dys = reinterpret_cast<T*>(stage_ptr(stage, st.dy));
-        T* xs = reinterpret_cast<T*>(stage_ptr(stage, st.x));
+        unsigned char* dys = stage_ptr(stage, st.dy);
+        unsigned char* xs = stage_ptr(stage, st.x);
         for (int c = tid; c < p.chunk_size * (kP / 8); c += threads) {
             const int row = c / (kP / 8), col = c % (kP / 8) * 8;
             const bool valid = row < valid_rows;
             const int64_t off = valid ? base + row * row_stride + col : 0;
-            cp_async16(&dys[row * PX + col], dy + off, valid);
-            cp_async16(&xs[row * PX + col], x + off, valid);
+            cp_async16(dys + wgmma::swizzled(row, col), dy + off, valid);
+            cp_async16(xs + wgmma::swizzled(row, col), x + off, valid);
         }
         const float2* sc = a.scal + ((b * p.heads + h) * n_chunks + chunk) * p.chunk_size;
         if (tid < p.chunk_size / 2) cp_async16(stage_ptr(stage, st.sc) + 16 * tid, sc + 2 * tid, true);
     };
     const int a_rows = lane & 15, a_cols = (lane >> 4) * 8;
-    const int bn_rows = (lane & 7) + ((lane >> 4) << 3), bn_cols = ((lane >> 3) & 1) * 8;
     // Tasks: first the diagonal pairs' (kDiag per warp), then the others' (kOff per warp). Off the
     // diagonal (t in tile I > J, s in tile J ending at step Je), 2^(cum_t - cum_s) dt_s = [2^(cum_t -
     // cum_Je)] [2^(cum_Je - cum_s) dt_s], both factors <= 1 (times dt): the first scales the A
@@ -862,49 +913,93 @@ template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaP
     // inside the mma accumulators, with no per-head epilogue.
     constexpr int kDiag = 2, kOff = kMsumTasks - kDiag;
     const int n_diag = 4 * n_tiles, n_off = 4 * (pairs - n_tiles);
-    T* x_scaled = reinterpret_cast<T*>(smem_raw + 2 * st.bytes);
+    unsigned char* const x_scaled = smem_raw + 2 * st.bytes;
     float m[kMsumTasks][kQ / 8][4] = {};
+    // A task's tile pair (I, J); tasks past the chunk's get pair (0, 0), whose products run (on sm_90a a
+    // branch around a wgmma makes ptxas serialize them all) but are never used.
     int2 task_ij[kMsumTasks];
 #pragma unroll
-    for (int u = 0; u < kDiag; ++u) task_ij[u] = make_int2((warp + kMsumWarps * u) / 4, (warp + kMsumWarps * u) / 4);
+    for (int u = 0; u < kDiag; ++u) {
+        const int task = warp + kMsumWarps * u;
+        task_ij[u] = task < n_diag ? make_int2(task / 4, task / 4) : make_int2(0, 0);
+    }
 #pragma unroll
-    for (int u = 0; u < kOff; ++u) task_ij[kDiag + u] = off_diagonal_pair((warp + kMsumWarps * u) / 4);
-    cp_async_pipeline<2>(h_end - h_begin, load, [&](int64_t, int stage) {
+    for (int u = 0; u < kOff; ++u) {
+        const int task = warp + kMsumWarps * u;
+        task_ij[kDiag + u] = task < n_off ? off_diagonal_pair(task / 4) : make_int2(0, 0);
+    }
+    // (The copies, and x's scaled rows, reach the wgmma products' operand reads through the async proxy.)
+    cp_async_pipeline<2, true>(h_end - h_begin, load, [&](int64_t, int stage) {
         const uint32_t dys = smem_addr(stage_ptr(stage, st.dy)), xs = smem_addr(stage_ptr(stage, st.x));
         const float2* sc = reinterpret_cast<const float2*>(stage_ptr(stage, st.sc));
         // x's rows s but the last tile's, times 2^(cum_Je - cum_s) dt_s (the previous head's
         // off-diagonal tasks are done: the pipeline's barrier).
-        const T* x_raw = reinterpret_cast<const T*>(stage_ptr(stage, st.x));
+        const unsigned char* x_raw = stage_ptr(stage, st.x);
         for (int c = tid; c < (p.chunk_size - kQ) * (kP / 8); c += threads) {
             const int row = c / (kP / 8), col = c % (kP / 8) * 8;
             const float2 s_row = sc[row];
             const float f = ex2_ftz(sc[row / kQ * kQ + kQ - 1].x - s_row.x) * s_row.y;
-            scale8<T>(&x_scaled[row * PX + col], &x_raw[row * PX + col], f);
+            const uint32_t at = wgmma::swizzled(row, col);
+            scale8<T>(reinterpret_cast<T*>(x_scaled + at), reinterpret_cast<const T*>(x_raw + at), f);
         }
-        // dy_t x_s^T over the warp's 16 rows t = t_row.. and the 64 columns s = s_col.. of `xt`; with
-        // `scaled`, dy's rows t times f_lo, f_hi.
-        auto products = [&](float (&acc)[kQ / 8][4], uint32_t xt, int t_row, int s_col, bool scaled, float f_lo, float f_hi) {
+        // The A fragments of dy's rows t = t_row.. (the warp's 16; its warpgroup's 4 warps cover tile
+        // t_row / kQ together), optionally scaled by f_lo, f_hi.
+        auto dy_frags = [&](uint32_t (&af)[kP / 16][4], int t_row, bool scaled, float f_lo, float f_hi) {
 #pragma unroll
             for (int kk = 0; kk < kP / 16; ++kk) {
-                uint32_t af[4];
-                ldsm_x4(af, dys + ((t_row + a_rows) * PX + 16 * kk + a_cols) * E);
-                if (scaled) scale_a_rows_t2<T>(af, f_lo, f_hi);
+                ldsm_x4(af[kk], dys + wgmma::swizzled(t_row + a_rows, 16 * kk + a_cols));
+                if (scaled) scale_a_rows_t2<T>(af[kk], f_lo, f_hi);
+            }
+        };
+        // acc (+)= A x_s^T over the 64 columns s of tile J of `xt` (A: dy_frags' fragments).
+        auto products = [&](float (&acc)[kQ / 8][4], const uint32_t (&af)[kP / 16][4], uint32_t xt, int J) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+            const uint64_t x_desc = wgmma::desc(xt + J * wgmma::kBlockBytes, 16, wgmma::kSbo);  // K-major
+#pragma unroll
+            for (int kk = 0; kk < kP / 16; ++kk) wgmma::Ops<T>::template rs_n64<false>(acc, af[kk], x_desc + 2 * kk);
+#else
+            const int bn_rows = (lane & 7) + ((lane >> 4) << 3), bn_cols = ((lane >> 3) & 1) * 8;
+#pragma unroll
+            for (int kk = 0; kk < kP / 16; ++kk)
 #pragma unroll
                 for (int pr = 0; pr < kQ / 16; ++pr) {
                     uint32_t bb[4];
-                    ldsm_x4(bb, xt + ((s_col + 16 * pr + bn_rows) * PX + 16 * kk + bn_cols) * E);
-                    mma_pair<T>(acc[2 * pr], acc[2 * pr + 1], af, bb);
+                    ldsm_x4(bb, xt + wgmma::swizzled(kQ * J + 16 * pr + bn_rows, 16 * kk + bn_cols));
+                    mma_pair<T>(acc[2 * pr], acc[2 * pr + 1], af[kk], bb);
                 }
-            }
+#endif
         };
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        // On wgmma the diagonal pairs' products take both operands from shared memory, both issued
+        // before either is waited for (every task's, also those past the chunk's: see task_ij).
+        float gacc[kDiag][kQ / 8][4];  // dy_t . x_s
+        wgmma::fence();
+#pragma unroll
+        for (int u = 0; u < kDiag; ++u) {
+            const uint64_t dy_desc = wgmma::desc(dys + task_ij[u].x * wgmma::kBlockBytes, 16, wgmma::kSbo);
+            const uint64_t x_desc = wgmma::desc(xs + task_ij[u].y * wgmma::kBlockBytes, 16, wgmma::kSbo);
+#pragma unroll
+            for (int kk = 0; kk < kP / 16; ++kk) wgmma::Ops<T>::ss_n64(gacc[u], dy_desc + 2 * kk, x_desc + 2 * kk, kk > 0);
+        }
+        wgmma::commit();
+        wgmma::wait<0>();
+#pragma unroll
+        for (int u = 0; u < kDiag; ++u) wgmma::pin(gacc[u]);
+#endif
 #pragma unroll
         for (int u = 0; u < kDiag; ++u) {
             const int task = warp + kMsumWarps * u;
             if (task >= n_diag) break;
             const int2 ij = task_ij[u];
             const int t_row = kQ * ij.x + 16 * (task % 4), s_col = kQ * ij.y;
-            float gacc[kQ / 8][4] = {};  // dy_t . x_s
-            products(gacc, xs, t_row, s_col, false, 0.f, 0.f);
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+            const float (&gacc_u)[kQ / 8][4] = gacc[u];
+#else
+            float gacc_u[kQ / 8][4] = {};  // dy_t . x_s
+            uint32_t af[kP / 16][4];
+            dy_frags(af, t_row, false, 0.f, 0.f);
+            products(gacc_u, af, xs, ij.y);
+#endif
             const int t_lo = t_row + lane / 4;
             const float cum_lo = sc[t_lo].x, cum_hi = sc[t_lo + 8].x;
 #pragma unroll
@@ -916,22 +1011,49 @@ template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaP
                     const int s = s0 + (e & 1), t = e < 2 ? t_lo : t_lo + 8;
                     const float cum_s = e & 1 ? cs.z : cs.x, dt_s = e & 1 ? cs.w : cs.y;
                     const float l = s <= t ? ex2_ftz((e < 2 ? cum_lo : cum_hi) - cum_s) * dt_s : 0.f;
-                    m[u][nt][e] = fmaf(gacc[nt][e], l, m[u][nt][e]);
+                    m[u][nt][e] = fmaf(gacc_u[nt][e], l, m[u][nt][e]);
                 }
             }
         }
-        if (n_off == 0) return;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        wgmma::fence_shared_to_async();  // this thread's scaled x rows, for the products below
+#endif
         __syncthreads();  // the scaled x is complete
         const uint32_t xss = smem_addr(x_scaled);
+        // Off the diagonal: dy's rows scaled by 2^(cum_t - cum_Je), into the accumulators. On wgmma all
+        // the fragments are formed before the first product is issued (ptxas otherwise fences before
+        // each one), and every task's products run (a task past the chunk's reads the raw x: the
+        // scaled copy may have no rows).
+        uint32_t af[kOff][kP / 16][4];
 #pragma unroll
         for (int u = 0; u < kOff; ++u) {
             const int task = warp + kMsumWarps * u;
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
             if (task >= n_off) break;
+#endif
             const int2 ij = task_ij[kDiag + u];
             const int t_row = kQ * ij.x + 16 * (task % 4), t_lo = t_row + lane / 4;
             const float cum_je = sc[kQ * ij.y + kQ - 1].x;
-            products(m[kDiag + u], xss, t_row, kQ * ij.y, true, ex2_ftz(sc[t_lo].x - cum_je), ex2_ftz(sc[t_lo + 8].x - cum_je));
+            dy_frags(af[u], t_row, true, ex2_ftz(sc[t_lo].x - cum_je), ex2_ftz(sc[t_lo + 8].x - cum_je));
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+            products(m[kDiag + u], af[u], xss, ij.y);
+#endif
         }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        wgmma::fence();
+#pragma unroll
+        for (int u = 0; u < kOff; ++u) products(m[kDiag + u], af[u], warp + kMsumWarps * u < n_off ? xss : xs, task_ij[kDiag + u].y);
+        wgmma::commit();
+        wgmma::wait<0>();  // before the next head's loads overwrite the tiles
+#pragma unroll
+        for (int u = kDiag; u < kMsumTasks; ++u) wgmma::pin(m[u]);
+#pragma unroll
+        for (int u = 0; u < kOff; ++u)
+#pragma unroll
+            for (int kk = 0; kk < kP / 16; ++kk)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(af[u][kk][r])::"memory");  // read until here
+#endif
     });
 #pragma unroll
     for (int u = 0; u < kMsumTasks; ++u) {
@@ -954,30 +1076,83 @@ template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaP
 }
 
 // bc_sums' shared memory, per pipeline stage: the chunk's rows (dy or x) of a head, its state tile
-// (S or dS; first B or C tiles), the rows' {cum, dt} and the chunk's last two steps' {cum, dt}.
-template <typename T, int N> struct BcStage {
+// (S or dS; first B or C tiles) in wgmma::tile_byte's 128-byte-swizzled layout (wgmma's operand
+// layout, and free of bank conflicts for ldmatrix), the rows' {cum, dt} and the chunk's last two
+// steps' {cum, dt}. Stages are whole 1024-byte units, so that every state tile is 1024-byte aligned.
+template <int N> struct BcStage {
     int64_t rows, state, sc, last, bytes;  // byte offsets in a stage, and its size
     __device__ __host__ explicit BcStage(int64_t chunk) {
         rows = 0;
-        state = rows + chunk * pitch<kP>() * int64_t(sizeof(T));
-        sc = state + int64_t(kP) * pitch<N>() * int64_t(sizeof(T));
+        state = rows + chunk * pitch<kP>() * 2;  // 2-byte elements; a multiple of 1024 (chunk: of 64)
+        sc = state + int64_t(kP) * N * 2;
         last = sc + chunk * 8;
-        bytes = last + 16;
+        bytes = (last + 16 + 1023) / 1024 * 1024;
     }
 };
+// The whole (mirror of bc_shared_bytes in src/ops/ssd/cuda_mma.rs): the stages, plus slack to align
+// them to 1024 bytes.
+template <int N> __device__ __host__ inline int64_t bc_shared_bytes(int64_t chunk) {
+    return kBcStages * BcStage<N>(chunk).bytes + 1024;
+}
+
+// acc += (rows o (lo, hi)) state over k = p, for the warp's rows 16 warp..: rows a (.. x kP) tile of
+// pitch pitch<kP>() at shared address `rows`, whose two rows per thread are scaled by lo, hi; state a
+// (kP x N) tile in tile_byte's layout at `state` (1024-byte aligned). On sm_90a one wgmma per 16 k
+// for the warpgroup's 64 rows (the B operand read once per warpgroup, not once per warp), waited for
+// before returning; elsewhere mma.sync.
+template <typename T, int N>
+__device__ __forceinline__ void rows_times_swizzled_state(float (&acc)[N / 8][4], uint32_t rows, float lo, float hi,
+                                                          uint32_t state) {
+    constexpr int PX = pitch<kP>(), E = sizeof(T);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int a_rows = lane & 15, a_cols = (lane >> 4) * 8;
+    auto a_frag = [&](uint32_t (&af)[4], int kk) {  // rows' A fragment of k-block kk, scaled
+        ldsm_x4(af, rows + ((16 * warp + a_rows) * PX + 16 * kk + a_cols) * E);
+        scale_a_rows_split<T>(af, lo, hi);
+    };
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    uint32_t af[kP / 16][4];  // all in registers until the products are done
+#pragma unroll
+    for (int kk = 0; kk < kP / 16; ++kk) a_frag(af[kk], kk);
+    const uint64_t desc = wgmma::desc(state, wgmma::kLbo, wgmma::kSbo);  // N-major (n contiguous)
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kP / 16; ++kk) {
+        const uint64_t at = desc + kk * 16 * 128 / 16;  // 16 rows of k further
+        if constexpr (N == 128) wgmma::Ops<T>::rs_n128(acc, af[kk], at);
+        else wgmma::Ops<T>::rs_n64(acc, af[kk], at);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(acc);
+#else
+    const int bt_rows = (lane & 7) + ((lane >> 3) & 1) * 8, bt_cols = (lane >> 4) * 8;
+#pragma unroll
+    for (int kk = 0; kk < kP / 16; ++kk) {
+        uint32_t af[4];
+        a_frag(af, kk);
+#pragma unroll
+        for (int q = 0; q < N / 16; ++q) {
+            uint32_t bb[4];
+            ldsm_x4_trans(bb, state + wgmma::tile_byte(16 * kk + bt_rows, 16 * q + bt_cols));
+            mma_pair<T>(acc[2 * q], acc[2 * q + 1], af, bb);
+        }
+    }
+#endif
+}
 
 // Grid (batch * n_chunks * groups, 2), 2 * chunk_size threads: y = 0 forms dC for the chunk's rows t,
 // y = 1 dB for its rows s. Warp w owns rows 16w.. (of tile w / 4). A block covers the whole chunk
 // so that each head's S or dS tile is read once.
 template <typename T, int N> __device__ __forceinline__ void bc_sums(const SsdBwdMmaParams& a) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    extern __shared__ __align__(16) unsigned char smem_base[];
+    unsigned char* const smem_raw = smem_base + (((smem_addr(smem_base) + 1023) & ~1023u) - smem_addr(smem_base));
     // Launched programmatically after head_msum (which finishes after the main kernel): wait for it,
     // and let reduce_params launch (it waits for this grid in turn).
     pdl_wait_prerequisite();
     pdl_launch_dependents();
     using O = Ops<T>;
     using T2 = typename O::T2;
-    constexpr int PX = pitch<kP>(), PN = pitch<N>(), E = sizeof(T);
     const SsdParams& p = a.q.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
     const int64_t n_chunks = ssd_chunk_count(p), hpg = p.heads / p.groups, state_elems = int64_t(kP) * N;
@@ -987,16 +1162,16 @@ template <typename T, int N> __device__ __forceinline__ void bc_sums(const SsdBw
     const int64_t c0 = chunk * p.chunk_size;
     const int wt = warp / 4, r_lo = 16 * (warp % 4) + lane / 4, r_hi = r_lo + 8;  // rows within tile wt
     const int bt_rows = (lane & 7) + ((lane >> 3) & 1) * 8, bt_cols = (lane >> 4) * 8;
-    const BcStage<T, N> st(p.chunk_size);
-    if (dynamic_smem_bytes() < kBcStages * st.bytes) __trap();  // a launcher out of step with BcStage
+    const BcStage<N> st(p.chunk_size);
+    if (dynamic_smem_bytes() < bc_shared_bytes<N>(p.chunk_size)) __trap();  // a launcher out of step with BcStage
     auto stage_ptr = [&](int stage, int64_t off) { return smem_raw + stage * st.bytes + off; };
     // A (64 x N) tile from rows t.. of `src` (batch, seqlen, groups, N) into a stage's state slot.
     auto copy_bc_tile = [&](const T* src, int64_t t, int stage) {
-        T* dst = reinterpret_cast<T*>(stage_ptr(stage, st.state));
+        unsigned char* dst = stage_ptr(stage, st.state);
         for (int c = tid; c < kQ * (N / 8); c += threads) {
             const int row = c / (N / 8), col = c % (N / 8) * 8;
             const bool valid = t + row < p.seqlen;
-            cp_async16(&dst[row * PN + col], src + (valid ? ((b * p.seqlen + t + row) * p.groups + g) * N + col : 0), valid);
+            cp_async16(dst + wgmma::tile_byte(row, col), src + (valid ? ((b * p.seqlen + t + row) * p.groups + g) * N + col : 0), valid);
         }
     };
     float acc[N / 8][4] = {};
@@ -1030,7 +1205,7 @@ template <typename T, int N> __device__ __forceinline__ void bc_sums(const SsdBw
 #pragma unroll
             for (int q = 0; q < N / 16; ++q) {
                 uint32_t bb[4];
-                ldsm_x4_trans(bb, bcs + ((16 * pr + bt_rows) * PN + 16 * q + bt_cols) * E);
+                ldsm_x4_trans(bb, bcs + wgmma::tile_byte(16 * pr + bt_rows, 16 * q + bt_cols));
                 mma_pair<T>(acc[2 * q], acc[2 * q + 1], af, bb);
             }
         }
@@ -1038,25 +1213,22 @@ template <typename T, int N> __device__ __forceinline__ void bc_sums(const SsdBw
     // Plus the state terms, head by head.
     const T* rows_src = static_cast<const T*>(is_db ? p.x : a.q.dy);
     const T* state_src = static_cast<const T*>(is_db ? a.ds_chunk : a.s_chunk);
+    // Per head: the chunk's rows and the state tile (contiguous in global memory).
+    const ChunkRows rows(int(p.chunk_size), int(min(p.chunk_size, p.seqlen - c0)), p.heads * kP);
+    const T* rows_chunk = rows_src + (b * p.seqlen + c0) * p.heads * kP;
     auto load_head = [&](int64_t hi, int stage) {
         const int64_t h = g * hpg + hi, bhc = (b * p.heads + h) * n_chunks + chunk;
-        T* rows = reinterpret_cast<T*>(stage_ptr(stage, st.rows));
-        T* state = reinterpret_cast<T*>(stage_ptr(stage, st.state));
-        for (int c = tid; c < p.chunk_size * (kP / 8); c += threads) {
-            const int row = c / (kP / 8), col = c % (kP / 8) * 8;
-            const bool valid = c0 + row < p.seqlen;
-            cp_async16(&rows[row * PX + col], rows_src + (valid ? ((b * p.seqlen + c0 + row) * p.heads + h) * kP + col : 0), valid);
-        }
+        rows.issue(stage_ptr(stage, st.rows), rows_chunk + h * kP);
+        unsigned char* state = stage_ptr(stage, st.state);
         const T* ssrc = state_src + bhc * state_elems;
-        for (int c = tid; c < kP * (N / 8); c += threads) {
-            const int row = c / (N / 8), col = c % (N / 8) * 8;
-            cp_async16(&state[row * PN + col], ssrc + row * N + col, true);
-        }
+        for (int c = tid; c < kP * (N / 8); c += threads)
+            cp_async16(state + wgmma::tile_byte(c / (N / 8), c % (N / 8) * 8), ssrc + 8 * c, true);
         const float2* sc = a.scal + bhc * p.chunk_size;
         if (tid < p.chunk_size / 2) cp_async16(stage_ptr(stage, st.sc) + 16 * tid, sc + 2 * tid, true);
         if (tid == threads - 1) cp_async16(stage_ptr(stage, st.last), sc + p.chunk_size - 2, true);
     };
-    cp_async_pipeline<kBcStages>(hpg, load_head, [&](int64_t, int stage) {
+    // (The copies then reach wgmma's operand reads through the async proxy.)
+    cp_async_pipeline<kBcStages, true>(hpg, load_head, [&](int64_t, int stage) {
         const float2* sc = reinterpret_cast<const float2*>(stage_ptr(stage, st.sc));
         const float2 lo = sc[16 * warp + lane / 4], hi = sc[16 * warp + lane / 4 + 8];
         float f_lo, f_hi;
@@ -1068,7 +1240,8 @@ template <typename T, int N> __device__ __forceinline__ void bc_sums(const SsdBw
             f_lo = ex2_ftz(lo.x);
             f_hi = ex2_ftz(hi.x);
         }
-        rows_times_state<T, N>(acc, smem_addr(stage_ptr(stage, st.rows)), f_lo, f_hi, smem_addr(stage_ptr(stage, st.state)));
+        rows_times_swizzled_state<T, N>(acc, smem_addr(stage_ptr(stage, st.rows)), f_lo, f_hi,
+                                        smem_addr(stage_ptr(stage, st.state)));
     });
     T* out = static_cast<T*>(is_db ? a.q.dB : a.q.dC);
 #pragma unroll
@@ -1199,7 +1372,7 @@ template <typename T, int N> __device__ __forceinline__ void ssd_bwd_local(const
 // ssd_bwd_chunk_scalars_<T> (a warp per (batch, chunk, head)) and after it ssd_bwd_head_msum_<T> (grid
 // batch * n_chunks * groups * msum_split, 32 kMsumWarps threads, msum_shared_bytes(chunk_size)),
 // ssd_bwd_bc_sums_<T>_n<N> (grid (batch * n_chunks * groups, 2), 2 chunk_size threads,
-// kBcStages BcStage(chunk_size).bytes), ssd_bwd_reduce_params (a block of kP threads per head);
+// bc_shared_bytes<N>(chunk_size)), ssd_bwd_reduce_params (a block of kP threads per head);
 // ssd_bwd_gate_grad_<T> (grid-stride over element pairs; before the main kernel, with z).
 #define SSD_BWD_MMA(T, N)                                                                          \
     extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2)                             \

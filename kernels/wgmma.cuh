@@ -1,4 +1,5 @@
-// Hopper warpgroup MMA (wgmma.mma_async) for the SSD kernels (ssd_fwd_wgmma.cuh, ssd_local_wgmma.cuh):
+// Hopper warpgroup MMA (wgmma.mma_async) for the SSD kernels (ssd_fwd_wgmma.cuh, ssd_local_wgmma.cuh,
+// and ssd_bwd.cu's head sums):
 // shared-memory matrix descriptors for 128-byte-swizzled tiles, and the four shapes the kernels
 // issue. A block of 128 threads is one warpgroup; accumulators use mma.sync's layout per warp (warp w:
 // rows 16w..16w+15).
@@ -60,12 +61,14 @@ template <int J> __device__ __forceinline__ void pin(float (&d)[J][4]) {
                          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]) \
                          : "l"(da), "l"(db), "r"(int(accumulate)));                                \
         }                                                                                             \
-        /* d (64 x 64) += A (64 x 16, registers as mma.sync's A fragments) B (16 x 64, N-major at db). */ \
+        /* d (64 x 64) += A (64 x 16, registers as mma.sync's A fragments) B (16 x 64 at db: N-major, or \
+           K-major with N_MAJOR false). */                                                              \
+        template <bool N_MAJOR = true>                                                                \
         static __device__ __forceinline__ void rs_n64(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db) { \
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                \
-                         "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n" \
+                         "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n" \
                          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]) \
-                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));          \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1), "n"(int(N_MAJOR))); \
         }                                                                                             \
         /* d (64 x 128) += A (64 x 16, registers as mma.sync's A fragments) B (16 x 128, N-major at db). */ \
         static __device__ __forceinline__ void rs_n128(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db) { \

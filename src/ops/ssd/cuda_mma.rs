@@ -62,18 +62,27 @@ fn bwd_shared_bytes(dstate: i64) -> u32 {
     (21264 + 512 * (dstate + 8) + 128 * dstate) as u32
 }
 
-/// head_msum's threads, and its shared memory: two stages of a head's dy and x over the chunk (rows
-/// of 72 2-byte elements) and the chunk's {cum, dt}, then a scaled copy of x's rows but the last
-/// tile's (`msum_shared_bytes`, kernels/ssd_bwd.cu).
+/// head_msum's threads, and its shared memory (`msum_shared_bytes`, kernels/ssd_bwd.cu): two stages,
+/// each of a head's dy and x over the chunk (rows of 64 2-byte elements) and the chunk's {cum, dt}, in
+/// whole KiB; then a scaled copy of x's rows but the last tile's; plus a KiB to align them.
 const MSUM_THREADS: u32 = 256;
 fn msum_shared_bytes(chunk: i64) -> u32 {
-    (2 * (2 * chunk * 72 * 2 + chunk * 8) + (chunk - MMA_TILE) * 72 * 2) as u32
+    let stage = whole_kib(2 * chunk * 64 * 2 + chunk * 8);
+    (2 * stage + (chunk - MMA_TILE) * 64 * 2 + 1024) as u32
 }
 
-/// bc_sums' shared memory: two stages of a head's dy or x over the chunk, a 64 x (dstate + 8) state
-/// tile, the chunk's {cum, dt} and its last two steps' (`BcStage`, kernels/ssd_bwd.cu).
+/// bc_sums' shared memory (`bc_shared_bytes`, kernels/ssd_bwd.cu): two stages, each of a head's dy or
+/// x over the chunk (rows of 72 2-byte elements), a 64 x dstate state tile, the chunk's {cum, dt} and
+/// its last two steps', in whole KiB; plus a KiB to align them.
 fn bc_shared_bytes(chunk: i64, dstate: i64) -> u32 {
-    (2 * (chunk * 72 * 2 + 64 * (dstate + 8) * 2 + chunk * 8 + 16)) as u32
+    let stage = whole_kib(chunk * 72 * 2 + 64 * dstate * 2 + chunk * 8 + 16);
+    (2 * stage + 1024) as u32
+}
+
+/// Bytes rounded up to whole KiB (the kernels' pipeline stages keep their 128-byte-swizzled tiles
+/// 1024-byte aligned).
+fn whole_kib(bytes: i64) -> i64 {
+    (bytes.max(0) as u64).div_ceil(1024) as i64 * 1024
 }
 
 /// Whether the pointers suit the kernels: x, B, C (and dy) as 16-byte vectors (cp.async), states as
