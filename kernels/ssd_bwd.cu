@@ -874,7 +874,7 @@ constexpr int kMsumTasks = 5;
 // mma.sync version slower: 171 -> 226 us at the main shape.)
 template <typename T> __device__ __forceinline__ void head_msum(const SsdBwdMmaParams& a) {
     extern __shared__ __align__(16) unsigned char smem_base[];
-    unsigned char* const smem_raw = smem_base + (((smem_addr(smem_base) + 1023) & ~1023u) - smem_addr(smem_base));
+    unsigned char* const smem_raw = wgmma::align_1024(smem_base);
     pdl_launch_dependents();  // bc_sums waits for this grid before it starts
     const SsdParams& p = a.q.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
@@ -1146,7 +1146,7 @@ __device__ __forceinline__ void rows_times_swizzled_state(float (&acc)[N / 8][4]
 // so that each head's S or dS tile is read once.
 template <typename T, int N> __device__ __forceinline__ void bc_sums(const SsdBwdMmaParams& a) {
     extern __shared__ __align__(16) unsigned char smem_base[];
-    unsigned char* const smem_raw = smem_base + (((smem_addr(smem_base) + 1023) & ~1023u) - smem_addr(smem_base));
+    unsigned char* const smem_raw = wgmma::align_1024(smem_base);
     // Launched programmatically after head_msum (which finishes after the main kernel): wait for it,
     // and let reduce_params launch (it waits for this grid in turn).
     pdl_wait_prerequisite();

@@ -78,8 +78,7 @@ template <typename T, int N> struct StateUpdate {
 template <typename T, int N, bool GATED>
 __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit& split) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    const uint32_t raw_addr = smem_addr(smem_raw);
-    WgSmem<T, N>& sm = *reinterpret_cast<WgSmem<T, N>*>(smem_raw + (((raw_addr + 1023) & ~1023u) - raw_addr));
+    WgSmem<T, N>& sm = *reinterpret_cast<WgSmem<T, N>*>(wgmma::align_1024(smem_raw));
     using O = Ops<T>;
     using W = wgmma::Ops<T>;
     using T2 = typename O::T2;

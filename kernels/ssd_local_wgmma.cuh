@@ -68,8 +68,7 @@ __device__ __forceinline__ void local_sum_wgmma(const SsdParams& p, int64_t b, i
                                                 float* record_decay) {
     static_assert(N == 128, "the first passes on wgmma take dstate 128");
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    const uint32_t raw_addr = smem_addr(smem_raw);
-    LocalSmem<T, N>& sm = *reinterpret_cast<LocalSmem<T, N>*>(smem_raw + (((raw_addr + 1023) & ~1023u) - raw_addr));
+    LocalSmem<T, N>& sm = *reinterpret_cast<LocalSmem<T, N>*>(wgmma::align_1024(smem_raw));
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int64_t n_tiles = max(tile_end - tile_begin, int64_t(0));
     // Loop step i's first step; past the piece, the sequence's end (all padding: dt 0).

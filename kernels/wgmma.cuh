@@ -23,6 +23,12 @@ constexpr int kBlockBytes = 64 * 128;
 __host__ __device__ constexpr uint32_t tile_byte(int row, int col) {
     return uint32_t(col / 64) * kBlockBytes + swizzled(row, col % 64);
 }
+// The first 1024-byte boundary of the shared window at or after p (dynamic shared memory is only
+// 16-byte aligned; the launchers give 1024 bytes of slack).
+__device__ __forceinline__ unsigned char* align_1024(unsigned char* p) {
+    const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+    return p + (((at + 1023) & ~1023u) - at);
+}
 // Descriptor strides of such tiles: MN-major operands step kLbo from one 64-element block to the
 // next; 8-row groups lie kSbo apart.
 constexpr uint32_t kLbo = kBlockBytes, kSbo = 8 * 128;
