@@ -24,6 +24,9 @@ if [ "$mode" != time ]; then
   # The launcher's split (parts 0): 9 parts, the first pass in 2 pieces a part (plan::mma_fwd_split).
   run check 2 1087 8 2 128 bf16 64 1 1 1 1 1 0 0
   run check 1 1087 16 4 64 f16 128 2 0 1 1 0 1 0
+  # The inference forward (no chunk states) over several chunks, split and not.
+  SSD_NO_CHUNK_STATES=1 run check 2 1000 2 1 128 bf16 64 1 1 1 1 1 0 4
+  SSD_NO_CHUNK_STATES=1 run check 1 1087 16 4 64 f16 128 2 0 1 1 0 1 0
 fi
 if [ "$mode" != check ]; then
   run time 8 2048 64 1 128 bf16 256 1 0 1 1 0 0 0

@@ -291,26 +291,34 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
     const TileCopy<kP> xcopy;
     const TileCopy<N> bccopy;
     float tile_dt_raw[2];  // warp 0: the raw dt of steps 2 lane (+1) of the tile last loaded
+    // This thread's first element of x, dy (B, C) at the block's first step: per tile one multiply
+    // moves it, per copy a pointer step (64-bit index arithmetic per copy was on every tile's path).
+    const int64_t x_first = ((b * p.seqlen + xcopy.row0) * p.heads + h) * kP + xcopy.col;
+    const int64_t bc_first = ((b * p.seqlen + bccopy.row0) * p.groups + g) * N + bccopy.col;
     auto load_tile = [&](int64_t t0, bool states, bool grads) {
-        const T* x = static_cast<const T*>(p.x);
-        const T* dy = static_cast<const T*>(a.q.dy);
+        const int rows = tile_rows(p.seqlen, t0);
+        const int64_t x_pass = TileCopy<kP>::kRowStep * p.heads * kP, bc_pass = TileCopy<N>::kRowStep * p.groups * N;
+        const T* x_at = static_cast<const T*>(p.x) + x_first + t0 * p.heads * kP;
+        const T* dy_at = static_cast<const T*>(a.q.dy) + x_first + t0 * p.heads * kP;
 #pragma unroll
         for (int k = 0; k < TileCopy<kP>::kPasses; ++k) {
             const int row = xcopy.row0 + k * TileCopy<kP>::kRowStep;
-            const bool valid = t0 + row < p.seqlen;
-            const int64_t off = valid ? ((b * p.seqlen + t0 + row) * p.heads + h) * kP + xcopy.col : 0;
-            if (states) cp_async16(&sm.x[row * PX + xcopy.col], x + off, valid);
-            if (grads) cp_async16(&sm.dy[row * PX + xcopy.col], dy + off, valid);
+            const bool valid = row < rows;
+            if (states) cp_async16(&sm.x[row * PX + xcopy.col], valid ? x_at : p.x, valid);
+            if (grads) cp_async16(&sm.dy[row * PX + xcopy.col], valid ? dy_at : a.q.dy, valid);
+            x_at += x_pass;
+            dy_at += x_pass;
         }
-        const T* Bm = static_cast<const T*>(p.B);
-        const T* Cm = static_cast<const T*>(p.C);
+        const T* b_at = static_cast<const T*>(p.B) + bc_first + t0 * p.groups * N;
+        const T* c_at = static_cast<const T*>(p.C) + bc_first + t0 * p.groups * N;
 #pragma unroll
         for (int k = 0; k < TileCopy<N>::kPasses; ++k) {
             const int row = bccopy.row0 + k * TileCopy<N>::kRowStep;
-            const bool valid = t0 + row < p.seqlen;
-            const int64_t off = valid ? ((b * p.seqlen + t0 + row) * p.groups + g) * N + bccopy.col : 0;
-            if (states) cp_async16(&sm.b[row * PN + bccopy.col], Bm + off, valid);
-            if (grads) cp_async16(&sm.c[row * PN + bccopy.col], Cm + off, valid);
+            const bool valid = row < rows;
+            if (states) cp_async16(&sm.b[row * PN + bccopy.col], valid ? b_at : p.B, valid);
+            if (grads) cp_async16(&sm.c[row * PN + bccopy.col], valid ? c_at : p.C, valid);
+            b_at += bc_pass;
+            c_at += bc_pass;
         }
         cp_async_commit();
         if (warp == 0) {

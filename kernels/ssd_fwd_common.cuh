@@ -51,7 +51,9 @@ struct FwdBlock {
 // (b, h, g): x, B, C are the forward's, or any arrays of their shapes (the backward's first pass takes
 // dy and C for x and B). `issue` copies the tile starting at step t0, rows past the sequence
 // zero-filled; x_at / bc_at (row, col) give the byte offset of element (row, col) in the kernel's
-// shared layout of x / B, C. WITH_C false (a first pass, which computes no y) leaves C out.
+// shared layout of x / B, C. WITH_C false (a first pass, which computes no y) leaves C out. Per copy
+// only 32-bit checks and one pointer step (64-bit index arithmetic per copy was most of a first
+// pass's instructions).
 template <typename T, int N> struct TileLoads {
     const TileCopy<kP> xcopy;
     const TileCopy<N> bccopy;
@@ -70,21 +72,24 @@ template <typename T, int N> struct TileLoads {
         : TileLoads(p, blk.b, blk.h, blk.g, p.x, p.B, p.C) {}
     template <bool WITH_C, typename XAt, typename BCAt>
     __device__ __forceinline__ void issue(int64_t t0, T* x, T* b, T* c, XAt x_at, BCAt bc_at) const {
+        const int rows = tile_rows(seqlen, t0);
+        const T* xs = x_src + t0 * x_step;
 #pragma unroll
         for (int k = 0; k < TileCopy<kP>::kPasses; ++k) {
             const int row = xcopy.row0 + k * TileCopy<kP>::kRowStep;
-            const bool valid = t0 + row < seqlen;
-            cp_async16(reinterpret_cast<unsigned char*>(x) + x_at(row, xcopy.col),
-                       valid ? x_src + (t0 + k * TileCopy<kP>::kRowStep) * x_step : x_src, valid);
+            cp_async16(reinterpret_cast<unsigned char*>(x) + x_at(row, xcopy.col), row < rows ? xs : x_src, row < rows);
+            xs += TileCopy<kP>::kRowStep * x_step;
         }
+        const T* bs = b_src + t0 * bc_step;
+        const T* cs = c_src + t0 * bc_step;
 #pragma unroll
         for (int k = 0; k < TileCopy<N>::kPasses; ++k) {
             const int row = bccopy.row0 + k * TileCopy<N>::kRowStep;
-            const bool valid = t0 + row < seqlen;
-            const int64_t off = valid ? (t0 + k * TileCopy<N>::kRowStep) * bc_step : 0;
             const uint32_t at = bc_at(row, bccopy.col);
-            cp_async16(reinterpret_cast<unsigned char*>(b) + at, b_src + off, valid);
-            if (WITH_C) cp_async16(reinterpret_cast<unsigned char*>(c) + at, c_src + off, valid);
+            cp_async16(reinterpret_cast<unsigned char*>(b) + at, row < rows ? bs : b_src, row < rows);
+            if (WITH_C) cp_async16(reinterpret_cast<unsigned char*>(c) + at, row < rows ? cs : c_src, row < rows);
+            bs += TileCopy<N>::kRowStep * bc_step;
+            cs += TileCopy<N>::kRowStep * bc_step;
         }
     }
 };

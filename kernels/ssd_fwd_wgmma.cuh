@@ -228,13 +228,15 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit
         __syncthreads();
         // y out: the thread takes the chunks its next cp.async into this buffer overwrites, so no
         // other thread's copy can land before this read.
+        const int rows = tile_rows(p.seqlen, t0);
+        T* y_row = y_dst + t0 * loads.x_step;
 #pragma unroll
         for (int k = 0; k < TileCopy<kP>::kPasses; ++k) {
             const int row = loads.xcopy.row0 + k * TileCopy<kP>::kRowStep;
-            if (t0 + row < p.seqlen)
-                *reinterpret_cast<uint4*>(y_dst + (t0 + k * TileCopy<kP>::kRowStep) * loads.x_step) =
-                    *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(sm.x[buf]) +
-                                                    tile_byte(row, loads.xcopy.col));
+            if (row < rows)
+                *reinterpret_cast<uint4*>(y_row) = *reinterpret_cast<const uint4*>(
+                    reinterpret_cast<const unsigned char*>(sm.x[buf]) + tile_byte(row, loads.xcopy.col));
+            y_row += TileCopy<kP>::kRowStep * loads.x_step;
         }
     }
 

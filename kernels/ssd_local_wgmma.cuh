@@ -6,8 +6,10 @@
 // and records it with the piece's total decay. Either is one long product u^T (weights o v), with no
 // recurrence: each tile's product is scaled by the decay of the tiles between it and the piece's far
 // end, which the loop has seen when the tiles run from that end (forward: last to first), so that the
-// scale is a running sum of tile totals (no difference of two long sums to round). The products of
-// consecutive tiles overlap, both operands in shared memory, u scaled in place.
+// scale is a running sum of tile totals (no difference of two long sums to round). u^T enters the
+// products as register fragments scaled on their way from shared memory (scaling u in place there took
+// a store, a proxy fence and a barrier per tile), v from shared memory; a tile's fragments are
+// prepared while the tile before's product runs.
 //
 // Its speed is in latencies: the recurrence these passes replaced (a tile's decay of S, dt loaded one
 // tile ahead) took ~1.9 us a tile at 9% occupancy on an H200. Here the copies run two tiles ahead, and
@@ -35,28 +37,6 @@ template <typename T, int N> struct LocalSmem {
 };
 // Dynamic shared memory of a first-pass block: the tiles plus slack to align them to 1024 bytes.
 template <typename T, int N> __host__ __device__ constexpr int local_shared_bytes() { return int(sizeof(LocalSmem<T, N>)) + 1024; }
-
-// The rows of a (kQ x kP) tile scaled in place by w[row] * scale: thread t takes 16-byte chunk t % 8
-// of rows t / 8 + 16k (a quarter warp covers a row: no bank conflicts; the swizzle moves chunks
-// within their row only).
-template <typename T> __device__ __forceinline__ void scale_tile_rows(T* tile, const float* w, float scale) {
-    using O = Ops<T>;
-    const int tid = threadIdx.x;
-#pragma unroll
-    for (int k = 0; k < kQ / 16; ++k) {
-        const int row = tid / 8 + 16 * k;
-        const float f = w[row] * scale;
-        uint4* at = reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(tile) + row * 128 + (tid % 8) * 16);
-        uint4 v = *at;
-        uint32_t* e = &v.x;
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const float2 x = O::unpack2(*reinterpret_cast<const typename O::T2*>(&e[r]));
-            e[r] = pack_u32<T>(x.x * f, x.y * f);
-        }
-        *at = v;
-    }
-}
 
 // The sum over tiles [tile_begin, tile_end) of (b, h, g), u and v (batch, seqlen, heads, kP) and
 // (batch, seqlen, groups, N) arrays; SUFFIX: the forward's weights 2^(cum_last - cum_s) dt_s within a
@@ -101,32 +81,56 @@ __device__ __forceinline__ void local_sum_wgmma(const SsdParams& p, int64_t b, i
     load(0);
     load(1);
 
+    // u^T's A fragments (rows p = headdim, k = steps) of a tile, scaled by its steps' weights times
+    // 2^(the decay of the tiles before it in the loop's order): ldmatrix.trans of u's rows as the
+    // forward's state update takes x's (warp w: rows 16w..16w+15).
+    const int at_row = (lane & 7) + (lane >> 4) * 8, at_col = 16 * warp + ((lane >> 3) & 1) * 8;
     float s[N / 8][4] = {};
     float decay_sum = 0.f;  // of the tiles before step i's in the loop's order
-    for (int64_t i = 0; i < n_tiles; ++i) {
+    // Step i: prepares tile i's fragments in `mine` while tile i - 1's product (from `other`) runs,
+    // then issues tile i's.
+    auto step = [&](int64_t i, uint32_t(&mine)[kQ / 16][4], uint32_t(&other)[kQ / 16][4]) {
         const int stage = int(i % kLocalStages);
-        cp_async_wait_group<1>();  // tile i landed
-        __syncthreads();           // and every warp is past step i - 1's wait: tile i - 2's stage is free
+        cp_async_wait_group<1>();          // tile i landed
+        wgmma::fence_shared_to_async();    // (B's copy is read by the product)
+        __syncthreads();                   // and every warp is past step i - 1's wait: tile i - 2's stage is free
         load(i + 2);
         if (i % kLocalBatch == 0) form_weights(i + kLocalBatch + warp);  // read from step i + kLocalBatch on
         const LocalWeights& wt = sm.wt[(i / kLocalBatch) & 1][i % kLocalBatch];
-        scale_tile_rows<T>(sm.u[stage], wt.w, ex2_ftz(decay_sum));
+        const float scale = ex2_ftz(decay_sum);
         decay_sum += wt.total;
-        wgmma::fence_shared_to_async();
-        __syncthreads();
-        wgmma::fence();
-        const uint64_t u_desc = wgmma::desc(smem_addr(sm.u[stage]), wgmma::kLbo, wgmma::kSbo),
-                       v_desc = wgmma::desc(smem_addr(sm.v[stage]), wgmma::kLbo, wgmma::kSbo);
+        const uint32_t u_tile = smem_addr(sm.u[stage]);
 #pragma unroll
         for (int kk = 0; kk < kQ / 16; ++kk) {
-            const uint32_t k_at = kk * 16 * 128 / 16;  // 16 rows (steps) on, in descriptor units
-            wgmma::Ops<T>::ss_mn_n128(s, u_desc + k_at, v_desc + k_at);
+            ldsm_x4_trans(mine[kk], u_tile + wgmma::swizzled(16 * kk + at_row, at_col));
+            const float2 lo = *reinterpret_cast<const float2*>(&wt.w[16 * kk + 2 * (lane % 4)]);
+            const float2 hi = *reinterpret_cast<const float2*>(&wt.w[16 * kk + 8 + 2 * (lane % 4)]);
+            scale_a_cols<T>(mine[kk], make_float2(lo.x * scale, lo.y * scale), make_float2(hi.x * scale, hi.y * scale));
         }
+        wgmma::wait<0>();  // tile i - 1's product: `other` is free from here
+#pragma unroll
+        for (int kk = 0; kk < kQ / 16; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(other[kk][r])::"memory");
+        wgmma::fence();
+        const uint64_t v_desc = wgmma::desc(smem_addr(sm.v[stage]), wgmma::kLbo, wgmma::kSbo);  // N-major
+#pragma unroll
+        for (int kk = 0; kk < kQ / 16; ++kk) wgmma::Ops<T>::rs_n128(s, mine[kk], v_desc + kk * 16 * 128 / 16);
         wgmma::commit();
-        wgmma::wait<1>();
+    };
+    uint32_t frag[2][kQ / 16][4];
+    int64_t i = 0;
+    for (; i + 1 < n_tiles; i += 2) {
+        step(i, frag[0], frag[1]);
+        step(i + 1, frag[1], frag[0]);
     }
+    if (i < n_tiles) step(i, frag[0], frag[1]);
     wgmma::wait<0>();
     wgmma::pin(s);
+#pragma unroll
+    for (int kk = 0; kk < kQ / 16; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(frag[0][kk][r]), "+r"(frag[1][kk][r])::"memory");
     for_state_pairs<N>(s, [&](float* acc, int row, int col) {
         *reinterpret_cast<float2*>(record + row * N + col) = make_float2(acc[0], acc[1]);
     });

@@ -124,6 +124,12 @@ template <int COLS> struct TileCopy {
     __device__ TileCopy() : row0(threadIdx.x / kChunksPerRow), col((threadIdx.x % kChunksPerRow) * 8) {}
 };
 
+// Rows of the tile starting at step t0 that lie inside the sequence (0..kQ): copies check their row
+// against it in 32 bits.
+__device__ __forceinline__ int tile_rows(int64_t seqlen, int64_t t0) {
+    return int(max(min(seqlen - t0, int64_t(kQ)), int64_t(0)));
+}
+
 // dt of steps t0 + 2 lane (+1) of (b, h), 0 past the end.
 template <typename T>
 __device__ __forceinline__ void load_dt(const SsdParams& p, int64_t b, int64_t h, int64_t t0, float (&raw)[2]) {
