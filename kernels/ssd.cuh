@@ -64,9 +64,14 @@ __device__ __forceinline__ int64_t ssd_chunk_count(const SsdParams& p) {
     return (p.seqlen + p.chunk_size - 1) / p.chunk_size;
 }
 
-// dt after bias, softplus and clamp; `passes` = whether the clamp let it through (its gradient).
-__device__ __forceinline__ float ssd_dt(const SsdParams& p, float raw, int64_t h, bool* passes = nullptr) {
-    float v = raw + (p.dt_bias ? p.dt_bias[h] : 0.f);
+// Head h's dt bias (0 without one). Kernels that walk a head's steps load it once: looked up per step,
+// next to its use, it was a memory latency on every tile's path.
+__device__ __forceinline__ float ssd_dt_bias(const SsdParams& p, int64_t h) { return p.dt_bias ? p.dt_bias[h] : 0.f; }
+
+// dt after bias (ssd_dt_bias), softplus and clamp; `passes` = whether the clamp let it through (its
+// gradient).
+__device__ __forceinline__ float ssd_dt(const SsdParams& p, float raw, float bias, bool* passes = nullptr) {
+    float v = raw + bias;
     if (p.dt_softplus) v = softplus(v);
     const bool inside = v >= p.dt_min && v <= p.dt_max;
     if (passes) *passes = inside;

@@ -255,7 +255,7 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
     const SsdParams& p = a.q.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int64_t bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads, g = h / (p.heads / p.groups);
-    const float A = p.A[h], a_log2 = A * kLog2e, dt_bias = p.dt_bias ? p.dt_bias[h] : 0.f;
+    const float A = p.A[h], a_log2 = A * kLog2e, dt_bias = ssd_dt_bias(p, h);
     const int64_t state_elems = int64_t(kP) * N;
     const int64_t n_chunks = ssd_chunk_count(p), tiles_per_chunk = p.chunk_size / kQ;
     // LOCAL: blockIdx.y is a record (a piece of a part), else a part.
@@ -291,6 +291,11 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
     const TileCopy<kP> xcopy;
     const TileCopy<N> bccopy;
     float tile_dt_raw[2];  // warp 0: the raw dt of steps 2 lane (+1) of the tile last loaded
+    // Warp 0: the raw dt of the tile prefetch_tile named last (starting at step dt_ahead_t0), read
+    // then, a tile before load_tile wants it. (Read in load_tile, its latency held every warp at the
+    // barrier there.)
+    T dt_ahead[2];
+    int64_t dt_ahead_t0 = -1;
     // This thread's first element of x, dy (B, C) at the block's first step: per tile one multiply
     // moves it, per copy a pointer step (64-bit index arithmetic per copy was on every tile's path).
     const int64_t x_first = ((b * p.seqlen + xcopy.row0) * p.heads + h) * kP + xcopy.col;
@@ -322,17 +327,26 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
         }
         cp_async_commit();
         if (warp == 0) {
-            load_dt<T>(p, b, h, t0, tile_dt_raw);
-            tile_scalars(sm.sc, p, h, a_log2, t0, tile_dt_raw);
+            if (t0 == dt_ahead_t0) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) tile_dt_raw[e] = to_f32(dt_ahead[e]);
+            } else {
+                load_dt_f32<T>(p, b, h, t0, tile_dt_raw);
+            }
+            tile_scalars(sm.sc, p, dt_bias, a_log2, t0, tile_dt_raw);
         }
         asm volatile("cp.async.wait_group 0;" ::: "memory");
         __syncthreads();
     };
     // Loads are single-buffered (two blocks per SM leave no room for a second buffer): pull the tile
     // the block loads next into L2 while it computes on this one. Each thread: rows of x, dy (one
-    // 128-byte line each), dt (one line) and B, C (N / 64 lines each).
+    // 128-byte line each), dt (one line) and B, C (N / 64 lines each); warp 0 also reads its dt.
     auto prefetch_tile = [&](int64_t t0) {
         if (t0 < 0 || t0 >= p.seqlen) return;
+        if (warp == 0) {
+            load_dt<T>(p, b, h, t0, dt_ahead);
+            dt_ahead_t0 = t0;
+        }
         const int row = tid % kQ, which = tid / kQ;  // 128 threads: two per row
         const int64_t t = t0 + row;
         if (t >= p.seqlen) return;
@@ -351,14 +365,29 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
         const float4 v = sm.sc.cd[t / 2];
         return t & 1 ? v.w : v.y;
     };
-    // The saved state entering a chunk (T), into this thread's accumulator positions. (4-byte loads:
-    // the full-sector loads and lane swaps that suit the forward's stores cost this kernel spills.)
+    // States read as T pairs are left unconverted, each pair's bits in its first accumulator, until
+    // widen_state before their first use: converted at the read, each waited for the read right there
+    // (~4% of this kernel's stall samples), not while the work in between runs. Not with PARTIALS:
+    // there ptxas then spills ~110 bytes more.
+    constexpr bool kLateWiden = !PARTIALS;
+    auto widen_state = [&](float (&acc)[N / 8][4]) {
+#pragma unroll
+        for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) {
+                const uint32_t bits = __float_as_uint(acc[n][e]);
+                const float2 v = O::unpack2(*reinterpret_cast<const T2*>(&bits));
+                acc[n][e] = v.x;
+                acc[n][e + 1] = v.y;
+            }
+    };
+    // The saved state entering a chunk (T), into this thread's accumulator positions, unconverted
+    // (widen_state). (4-byte loads: the full-sector loads and lane swaps that suit the forward's
+    // stores cost this kernel spills.)
     auto load_chunk_state = [&](float (&dst)[N / 8][4], int64_t chunk) {
         const T* base = static_cast<const T*>(p.chunk_states) + (bh * kP * n_chunks + chunk) * N;
         for_state_pairs<N>(dst, [&](float* acc, int row, int col) {
-            const float2 v = Ops<T>::unpack2(*reinterpret_cast<const typename Ops<T>::T2*>(base + row * n_chunks * N + col));
-            acc[0] = v.x;
-            acc[1] = v.y;
+            acc[0] = __uint_as_float(*reinterpret_cast<const uint32_t*>(base + row * n_chunks * N + col));
         });
     };
     // Where the state entering tile j (1 <= j <= tiles - 2) of a chunk of `tiles` tiles is kept: the
@@ -378,14 +407,9 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
         acc[0] = v.x;
         acc[1] = v.y;
     });
-    for (int64_t r = a.n_records() - 1; !LOCAL && r >= part * a.records_per_part; --r) {
-        const float decay = exp2f(record_decay[r * bhs + bh]);
-        const float* rec = records + (r * bhs + bh) * state_elems;
-        for_state_pairs<N>(ds, [&](float* acc, int row, int col) {
-            const float2 v = *reinterpret_cast<const float2*>(rec + row * N + col);
-            acc[0] = fmaf(decay, acc[0], v.x);
-            acc[1] = fmaf(decay, acc[1], v.y);
-        });
+    if (!LOCAL) {
+        const int64_t after = part * a.records_per_part;  // the records of the parts after this one
+        fold_records<N>(ds, records + bh * state_elems, record_decay + bh, bhs, a.n_records() - 1, a.n_records() - after, -1);
     }
     // acc <- 2^cum_last acc + (f o steps)^T cols over the tile's steps, rows p = 16 warp..: steps
     // (kQ x kP) and cols (kQ x N) are tiles, f the per-step factors as pairs (steps 2i, 2i + 1).
@@ -441,9 +465,11 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
         // tiles 1..tiles-1 are recomputed; the last stays here, the others are kept (kept_slot).
         float sv[N / 8][4];
         load_chunk_state(sv, chunk);
+        if (!kLateWiden) widen_state(sv);
         for (int64_t j = 0; j + 1 < tiles; ++j) {
             load_tile(c0 + j * kQ, true, false);
             prefetch_tile(c0 + (j + 1) * kQ);  // the last one: the first of the walk back
+            if (kLateWiden && j == 0) widen_state(sv);
             decay_add_product(sv, xs, sm.sc.w, bs);  // S <- 2^cum_last S + (w o x)^T B
             if (j + 2 < tiles) {
                 uint4* slot = kept_slot(j + 1, tiles);
@@ -455,11 +481,13 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
             }
             __syncthreads();
         }
-        // The next tile's entering state, read a tile ahead so that a global read's latency passes
-        // while warp 0 finishes the tile before.
+        if (kLateWiden && tiles == 1) widen_state(sv);
+        // The next tile's entering state, read a tile ahead (unconverted: widen_state) so that a global
+        // read's latency passes while warp 0 finishes the tile before.
         auto load_entering = [&](int64_t j) {
             if (j == 0) {
                 load_chunk_state(sv, chunk);
+                if (!kLateWiden) widen_state(sv);
                 return;
             }
             const uint4* slot = kept_slot(j, tiles);
@@ -468,12 +496,9 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
                 const uint4 v = slot[n / 2 * kThreads];
                 const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    const float2 f = O::unpack2(*reinterpret_cast<const T2*>(&w[k]));
-                    sv[n + k / 2][2 * (k % 2)] = f.x;
-                    sv[n + k / 2][2 * (k % 2) + 1] = f.y;
-                }
+                for (int k = 0; k < 4; ++k) sv[n + k / 2][2 * (k % 2)] = __uint_as_float(w[k]);
             }
+            if (!kLateWiden) widen_state(sv);
         };
         for (int64_t j = tiles - 1; j >= 0; --j) {
             const int64_t t0 = c0 + j * kQ;
@@ -724,7 +749,7 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
                     const int64_t idx = (b * p.seqlen + t) * p.heads + h;
                     const float v = tile_dt_raw[e] + dt_bias;
                     bool passes;
-                    ssd_dt(p, tile_dt_raw[e], h, &passes);
+                    ssd_dt(p, tile_dt_raw[e], dt_bias, &passes);
                     float graw = passes ? ddt : 0.f;
                     if (p.dt_softplus) graw *= 1.f / (1.f + expf(-v));
                     ddt_out[idx] = from_f32<T>(graw);
@@ -741,6 +766,7 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
                 if (j == tiles - 1)
                     copy_tile_out<T, N>(static_cast<T*>(a.ds_chunk) + (bh * n_chunks + chunk) * state_elems, N, sm.ds, kP);
             }
+            if (kLateWiden) widen_state(sv);  // load_entering's, after the work above
             __syncthreads();  // before the next tile's loads overwrite shared memory
         }
     }
@@ -809,15 +835,15 @@ template <typename T> __device__ __forceinline__ void chunk_scalars(const SsdBwd
     const int64_t item = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
     if (item < p.batch * p.heads * n_chunks) {
         const int64_t h = item % p.heads, chunk = item / p.heads % n_chunks, b = item / (p.heads * n_chunks);
-        const float a_log2 = p.A[h] * kLog2e;
+        const float a_log2 = p.A[h] * kLog2e, dt_bias = ssd_dt_bias(p, h);
         float2* out = a.scal + ((b * p.heads + h) * n_chunks + chunk) * p.chunk_size;
         float carry = 0.f;
         for (int i0 = 0; i0 < p.chunk_size; i0 += kQ) {
             const int64_t t0 = chunk * p.chunk_size + i0;
             float raw[2], dt[2];
-            load_dt<T>(p, b, h, t0, raw);
+            load_dt_f32<T>(p, b, h, t0, raw);
 #pragma unroll
-            for (int e = 0; e < 2; ++e) dt[e] = t0 + 2 * lane + e < p.seqlen ? ssd_dt(p, raw[e], h) : 0.f;
+            for (int e = 0; e < 2; ++e) dt[e] = t0 + 2 * lane + e < p.seqlen ? ssd_dt(p, raw[e], dt_bias) : 0.f;
             const float a1 = dt[1] * a_log2;
             float run = dt[0] * a_log2 + a1;
 #pragma unroll

@@ -107,17 +107,8 @@ __device__ __forceinline__ void load_part_state(float (&s)[N / 8][4], const SsdP
         acc[0] = v.x;
         acc[1] = v.y;
     });
-    if constexpr (!LOCAL) {
-        for (int64_t q = 0; q < records; ++q) {
-            const float decay = exp2f(rec.decays[q * rec.per_part + bh]);
-            const float* r = rec.states + (q * rec.per_part + bh) * state_elems;
-            for_state_pairs<N>(s, [&](float* acc, int row, int col) {
-                const float2 v = *reinterpret_cast<const float2*>(r + row * N + col);
-                acc[0] = fmaf(decay, acc[0], v.x);
-                acc[1] = fmaf(decay, acc[1], v.y);
-            });
-        }
-    }
+    if constexpr (!LOCAL)
+        fold_records<N>(s, rec.states + bh * state_elems, rec.decays + bh, rec.per_part, 0, records, 1);
 }
 
 // At a part's end: LOCAL records its piece's end state and total decay (log2) as record `part`; the

@@ -38,7 +38,7 @@ __device__ __forceinline__ void ssd_fwd_sync(const SsdParams& p, const FwdSplit&
     const FwdBlock blk(p, split, std::integral_constant<bool, LOCAL>{});
     const int64_t bh = blk.bh, part = blk.part, b = blk.b, h = blk.h;
     const int64_t tile_begin = blk.tile_begin, tile_end = blk.tile_end;
-    const float a_log2 = p.A[h] * kLog2e;
+    const float a_log2 = p.A[h] * kLog2e, dt_bias = ssd_dt_bias(p, h);
     const PartRecords rec = PartRecords::make<N>(p, split);
 
     // The state entering the part.
@@ -66,10 +66,10 @@ __device__ __forceinline__ void ssd_fwd_sync(const SsdParams& p, const FwdSplit&
 
     if (tile_begin < tile_end) load_tile(int(tile_begin & 1), tile_begin * kQ);
     cp_async_commit();
-    float dt_raw[2];
+    T dt_raw[2];
     if (warp == 0) {
         load_dt<T>(p, b, h, tile_begin * kQ, dt_raw);
-        tile_scalars(sm.sc[tile_begin & 1], p, h, a_log2, tile_begin * kQ, dt_raw);
+        tile_scalars(sm.sc[tile_begin & 1], p, dt_bias, a_log2, tile_begin * kQ, dt_raw);
         load_dt<T>(p, b, h, (tile_begin + 1) * kQ, dt_raw);
     }
 
@@ -194,7 +194,7 @@ __device__ __forceinline__ void ssd_fwd_sync(const SsdParams& p, const FwdSplit&
             }
         }
         if (warp == 0 && tile + 1 < tile_end) {
-            tile_scalars(sm.sc[buf ^ 1], p, h, a_log2, t0 + kQ, dt_raw);
+            tile_scalars(sm.sc[buf ^ 1], p, dt_bias, a_log2, t0 + kQ, dt_raw);
             load_dt<T>(p, b, h, t0 + 2 * kQ, dt_raw);
         }
         __syncthreads();

@@ -87,7 +87,7 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit
     const FwdBlock blk(p, split, std::false_type{});
     const int64_t bh = blk.bh, part = blk.part, b = blk.b, h = blk.h;
     const int64_t tile_begin = blk.tile_begin, tile_end = blk.tile_end;
-    const float a_log2 = p.A[h] * kLog2e;
+    const float a_log2 = p.A[h] * kLog2e, dt_bias = ssd_dt_bias(p, h);
     const PartRecords rec = PartRecords::make<N>(p, split);
 
     // The state entering the part.
@@ -105,14 +105,14 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit
     cp_async_commit();
     // A tile's scalars are computed one tile ahead, while the tile before runs its products: by every
     // warp (a warp-0-only branch would serialize the in-flight wgmma), each storing a quarter.
-    float dt_raw[2];
+    T dt_raw[2];
     const bool sc_store = (lane >> 3) == warp;
     load_dt<T>(p, b, h, tile_begin * kQ, dt_raw);
-    tile_scalars(sm.sc[tile_begin & 1], p, h, a_log2, tile_begin * kQ, dt_raw, sc_store);
+    tile_scalars(sm.sc[tile_begin & 1], p, dt_bias, a_log2, tile_begin * kQ, dt_raw, sc_store);
     load_dt<T>(p, b, h, (tile_begin + 1) * kQ, dt_raw);
     auto next_scalars = [&](int buf, int64_t t0) {
         if (t0 + kQ < tile_end * kQ) {
-            tile_scalars(sm.sc[buf ^ 1], p, h, a_log2, t0 + kQ, dt_raw, sc_store);
+            tile_scalars(sm.sc[buf ^ 1], p, dt_bias, a_log2, t0 + kQ, dt_raw, sc_store);
             load_dt<T>(p, b, h, t0 + 2 * kQ, dt_raw);
         }
     };

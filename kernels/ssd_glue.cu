@@ -37,7 +37,7 @@ __device__ __forceinline__ void expand_delta(const SsdGlueParams g) {
         const int64_t row = i / p.headdim;  // (b * seqlen + l) * heads + h
         if (g.transformed) {
             const int64_t h = row % p.heads;
-            delta[i] = from_f32<T>(ssd_dt(p, to_f32(dt[row]), h));
+            delta[i] = from_f32<T>(ssd_dt(p, to_f32(dt[row]), ssd_dt_bias(p, h)));
         } else {
             delta[i] = dt[row];
         }
@@ -78,9 +78,10 @@ __device__ __forceinline__ void reduce_ddt(const SsdGlueParams g) {
         if (g.transformed) {
             const int64_t h = row % p.heads;
             const float raw = to_f32(static_cast<const T*>(p.dt)[row]);
+            const float bias = ssd_dt_bias(p, h);
             bool passes;
-            ssd_dt(p, raw, h, &passes);
-            const float pre = raw + (p.dt_bias ? p.dt_bias[h] : 0.f);
+            ssd_dt(p, raw, bias, &passes);
+            const float pre = raw + bias;
             const float dsoftplus = p.dt_softplus ? 1.f / (1.f + expf(-pre)) : 1.f;
             sum = passes ? sum * dsoftplus : 0.f;
         }

@@ -56,7 +56,7 @@ __device__ __forceinline__ void local_sum_wgmma(const SsdParams& p, int64_t b, i
         if (i >= n_tiles) return p.seqlen;
         return (SUFFIX ? tile_end - 1 - i : tile_begin + i) * kQ;
     };
-    const float a_log2 = p.A[h] * kLog2e;
+    const float a_log2 = p.A[h] * kLog2e, dt_bias = ssd_dt_bias(p, h);
 
     const TileLoads<T, N> loads(p, b, h, g, u, v, nullptr);
     auto load = [&](int64_t i) {
@@ -65,9 +65,9 @@ __device__ __forceinline__ void local_sum_wgmma(const SsdParams& p, int64_t b, i
         cp_async_commit();
     };
     // This warp's tile of a batch: its weights from its dt, which was loaded a batch before.
-    float dt_raw[2];
+    T dt_raw[2];
     auto form_weights = [&](int64_t i) {
-        const TileCum c(p, h, a_log2, t0_of(i), dt_raw);
+        const TileCum c(p, dt_bias, a_log2, t0_of(i), dt_raw);
         LocalWeights& out = sm.wt[(i / kLocalBatch) & 1][i % kLocalBatch];
         float w[2];
 #pragma unroll
@@ -76,10 +76,10 @@ __device__ __forceinline__ void local_sum_wgmma(const SsdParams& p, int64_t b, i
         if (lane == 0) out.total = c.last;
         load_dt<T>(p, b, h, t0_of(i + kLocalBatch), dt_raw);
     };
+    load(0);  // first: the copies' latency then passes while the first weights wait for A and dt
+    load(1);
     load_dt<T>(p, b, h, t0_of(warp), dt_raw);
     form_weights(warp);
-    load(0);
-    load(1);
 
     // u^T's A fragments (rows p = headdim, k = steps) of a tile, scaled by its steps' weights times
     // 2^(the decay of the tiles before it in the loop's order): ldmatrix.trans of u's rows as the

@@ -106,6 +106,23 @@ __device__ __forceinline__ void store_state_t(float (&s)[N / 8][4], T* base, int
     }
 }
 
+// acc <- 2^decay_r acc + state_r for the split's records r = first, first + step, ... (count of them,
+// in that order), records laid out [record][batch * heads]: the (kP x N) f32 state of record r at
+// states + r * per_record kP N, its decay (log2) at decays[r * per_record].
+template <int N>
+__device__ __forceinline__ void fold_records(float (&acc)[N / 8][4], const float* states, const float* decays,
+                                             int64_t per_record, int64_t first, int64_t count, int64_t step) {
+    for (int64_t i = 0, r = first; i < count; ++i, r += step) {
+        const float decay = exp2f(decays[r * per_record]);
+        const float* src = states + r * per_record * kP * N;
+        for_state_pairs<N>(acc, [&](float* out, int row, int col) {
+            const float2 v = *reinterpret_cast<const float2*>(src + row * N + col);
+            out[0] = fmaf(decay, out[0], v.x);
+            out[1] = fmaf(decay, out[1], v.y);
+        });
+    }
+}
+
 // The sequence split's first passes cut a part (tiles_per_part tiles of a sequence of n_tiles) in
 // `pieces` pieces of whole tiles, the last ones shorter or empty: the tiles [begin, end) of one.
 __device__ __forceinline__ void piece_tiles(int64_t tiles_per_part, int64_t pieces, int64_t part, int64_t piece,
@@ -130,29 +147,41 @@ __device__ __forceinline__ int tile_rows(int64_t seqlen, int64_t t0) {
     return int(max(min(seqlen - t0, int64_t(kQ)), int64_t(0)));
 }
 
-// dt of steps t0 + 2 lane (+1) of (b, h), 0 past the end.
+// dt of steps t0 + 2 lane (+1) of (b, h), 0 past the end, as stored (T): converted where it is used,
+// a load issued a tile ahead is waited for there. (Converted here, each tile waited for its next
+// tile's dt right after issuing the load: ~7% of the forward's stall samples.)
 template <typename T>
-__device__ __forceinline__ void load_dt(const SsdParams& p, int64_t b, int64_t h, int64_t t0, float (&raw)[2]) {
+__device__ __forceinline__ void load_dt(const SsdParams& p, int64_t b, int64_t h, int64_t t0, T (&raw)[2]) {
     const T* dt = static_cast<const T*>(p.dt);
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
         const int64_t t = t0 + 2 * lane + e;
-        raw[e] = t < p.seqlen ? to_f32(dt[(b * p.seqlen + t) * p.heads + h]) : 0.f;
+        raw[e] = from_f32<T>(0.f);
+        if (t < p.seqlen) raw[e] = dt[(b * p.seqlen + t) * p.heads + h];
     }
 }
+// The same, converted to f32 at once (for a use right after the load).
+template <typename T>
+__device__ __forceinline__ void load_dt_f32(const SsdParams& p, int64_t b, int64_t h, int64_t t0, float (&raw)[2]) {
+    T stored[2];
+    load_dt<T>(p, b, h, t0, stored);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) raw[e] = to_f32(stored[e]);
+}
 
-// One warp's running sum of dt * A (log2 units) through a tile from its raw dt: lane l owns steps 2l
-// and 2l + 1, with dt after bias/softplus/clamp (0 past the end: padding steps neither decay nor
-// add), cum[e] the sum through step 2l + e, `last` the tile's total.
+// One warp's running sum of dt * A (log2 units) through a tile from its raw dt (load_dt: T, or f32):
+// lane l owns steps 2l and 2l + 1, with dt after bias/softplus/clamp (0 past the end: padding steps
+// neither decay nor add), cum[e] the sum through step 2l + e, `last` the tile's total.
 struct TileCum {
     float dt[2], cum[2], last;
-    __device__ __forceinline__ TileCum(const SsdParams& p, int64_t h, float a_log2, int64_t t0, const float (&raw)[2]) {
+    template <typename R>
+    __device__ __forceinline__ TileCum(const SsdParams& p, float dt_bias, float a_log2, int64_t t0, const R (&raw)[2]) {
         const int lane = threadIdx.x & 31;
         float a[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            dt[e] = t0 + 2 * lane + e < p.seqlen ? ssd_dt(p, raw[e], h) : 0.f;
+            dt[e] = t0 + 2 * lane + e < p.seqlen ? ssd_dt(p, to_f32(raw[e]), dt_bias) : 0.f;
             a[e] = dt[e] * a_log2;
         }
         float run = a[0] + a[1];
@@ -168,10 +197,11 @@ struct TileCum {
 };
 
 // One warp turns the raw dt of a tile into its scalars, stored when `store`.
-__device__ __forceinline__ void tile_scalars(TileScalars& out, const SsdParams& p, int64_t h, float a_log2,
-                                             int64_t t0, const float (&raw)[2], bool store = true) {
+template <typename R>
+__device__ __forceinline__ void tile_scalars(TileScalars& out, const SsdParams& p, float dt_bias, float a_log2,
+                                             int64_t t0, const R (&raw)[2], bool store = true) {
     const int lane = threadIdx.x & 31;
-    const TileCum c(p, h, a_log2, t0, raw);
+    const TileCum c(p, dt_bias, a_log2, t0, raw);
     if (!store) return;
     const float c0 = c.cum[0], c1 = c.cum[1];
     out.cd[lane] = make_float4(c0, c.dt[0], c1, c.dt[1]);
