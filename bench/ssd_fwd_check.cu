@@ -45,6 +45,12 @@ static float* upload_f32(const std::vector<float>& v) {
     return d;
 }
 
+// Whether the kernels run the wgmma first pass at dstate 128 (built for sm_90a: ssd_fwd_check.sh
+// passes 0 for other builds), which takes the launcher's Pieces::OneWave rule.
+#ifndef SSD_WGMMA
+#define SSD_WGMMA 1
+#endif
+
 // The launcher's split choice (mirrored in src/ops/ssd/cuda.rs): as many parts as fit one wave of two
 // blocks per SM (a second, partial wave would cost a whole one).
 static int64_t split_parts(int64_t batch_heads, int64_t n_tiles) {
@@ -57,7 +63,7 @@ template <typename T, int N> struct Kern {
         const int64_t n_tiles = (p.seqlen + 63) / 64;
         const int64_t tpp = std::max<int64_t>(1, (n_tiles + parts - 1) / parts);
         parts = std::max<int64_t>(1, (n_tiles + tpp - 1) / tpp);
-        const int64_t rpp = records_per_part(p.batch * p.heads, parts, tpp, "SSD_FWD_RECORDS");
+        const int64_t rpp = records_per_part(p.batch * p.heads, parts, tpp, "SSD_FWD_RECORDS", N == 128 && SSD_WGMMA);
         const int smem = sizeof(ssd_mma::SyncSmem<T, N>);  // the launcher's size (kernels/ssd_fwd.cu)
 #define SSD_PICK(NAME) (std::is_same<T, bf16>::value ? (N == 64 ? NAME##_bf16_n64 : NAME##_bf16_n128) \
                                                     : (N == 64 ? NAME##_f16_n64 : NAME##_f16_n128))

@@ -185,6 +185,18 @@ pub fn sm_shared_memory(stream: *mut c_void) -> Result<(u32, u32)> {
     ))
 }
 
+/// The compute capability (major, minor) of the stream's device.
+pub fn compute_capability(stream: *mut c_void) -> Result<(i32, i32)> {
+    driver()?;
+    let ctx = stream_context(stream as sys::CUstream)?;
+    let _current = ContextGuard::push(ctx)?;
+    use sys::CUdevice_attribute::*;
+    Ok((
+        device_attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        device_attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ))
+}
+
 /// How to launch a kernel: an (x, y, z) grid of 1-D blocks and their dynamic shared memory.
 #[derive(Debug, Clone, Copy)]
 pub struct LaunchConfig {

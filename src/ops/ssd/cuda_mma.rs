@@ -8,7 +8,7 @@
 
 use super::plan::{self, Shape, MMA_TILE};
 use super::{Present, Ssd, SsdBwd, SsdBwdParams, SsdParams};
-use crate::cuda::{launch, launch_ex, LaunchConfig, Start};
+use crate::cuda::{compute_capability, launch, launch_ex, LaunchConfig, Start};
 use crate::error::Result;
 use std::ffi::c_void;
 
@@ -133,7 +133,7 @@ pub(super) fn fwd(
         return Ok(());
     }
     let max_records = if workspace.is_null() { 0 } else { workspace_bytes / plan::mma_fwd_record_bytes(shape) };
-    let split = plan::mma_fwd_split(shape, max_records);
+    let split = plan::mma_fwd_split(shape, max_records, plan::Pieces::forward(shape, compute_capability(stream)?));
     let args = FwdMmaParams { p: SsdParams { workspace: workspace as *mut c_void, ..*p }, split };
     let types = format!("{}_n{}", ssd.dtype.name(), p.dstate);
     let smem = fwd_shared_bytes(p.dstate);

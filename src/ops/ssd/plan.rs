@@ -199,8 +199,8 @@ pub fn mma_fwd_record_bytes(s: &Shape) -> i64 {
 
 /// The forward's split where at most `max_records` records fit: as many parts as one wave of blocks
 /// holds (a second, partial wave would cost a whole one), at most one per tile, fewer where their
-/// records would not fit.
-pub fn mma_fwd_split(s: &Shape, max_records: i64) -> MmaFwdSplit {
+/// records would not fit; its first pass's pieces by `pieces`.
+pub fn mma_fwd_split(s: &Shape, max_records: i64, pieces: Pieces) -> MmaFwdSplit {
     let bh = s.batch * s.heads;
     let n_tiles = (s.seqlen + MMA_TILE - 1) / MMA_TILE;
     let planned = if bh == 0 { 1 } else { (MMA_WAVE_BLOCKS / bh).min(n_tiles).max(1) };
@@ -208,37 +208,72 @@ pub fn mma_fwd_split(s: &Shape, max_records: i64) -> MmaFwdSplit {
     let tiles_per_part = ((n_tiles + planned - 1) / planned).max(1);
     let n_parts = ((n_tiles + tiles_per_part - 1) / tiles_per_part).max(1);
     let fitting = if n_parts > 1 { max_records / (n_parts - 1) } else { 1 };
-    let records_per_part = local_records_per_part(bh, n_parts, tiles_per_part).min(fitting).max(1);
+    let records_per_part = local_records_per_part(bh, n_parts, tiles_per_part, pieces).min(fitting).max(1);
     MmaFwdSplit { tiles_per_part, n_parts, records_per_part }
 }
 
-/// Most pieces per part in the forward's first pass: each is a record the main kernel's later parts
-/// fold in one after another.
+/// Most pieces per part in a first pass: each is a record the main kernel's later parts fold in one
+/// after another.
 const MAX_LOCAL_RECORDS: i64 = 4;
 /// What a first-pass block costs besides its tiles (its start, the records' fold, its store), in
 /// tiles: fitted to the H200 timings in BENCHMARKS.md (stop 31).
 const LOCAL_BLOCK_TILES: i64 = 4;
 
+/// How a first pass cuts each part into pieces, one block and one record each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pieces {
+    /// The count that finishes in the fewest tile-times, waves x (tiles of a piece +
+    /// LOCAL_BLOCK_TILES), the fewest on a tie: for first passes that walk their tiles as a
+    /// recurrence (mma.sync), where a block's tiles are most of the cost.
+    FewestTileTimes,
+    /// The most that still fit one wave: for the forward's first pass on wgmma (sm_90a, dstate
+    /// 128), one long product, which more pieces shorten by less than they cost the main kernel,
+    /// whose later parts each read every record before them before their first tile (1 x 16384 x 64
+    /// heads, H100: 1 piece a part 291 us, 4 pieces 306; 2 x 8192: 2 pieces 266, 1 piece 276;
+    /// BENCHMARKS.md, stop 36).
+    OneWave,
+}
+
+impl Pieces {
+    /// The forward's rule on a GPU of compute capability `cc` (its sm_90a code takes the wgmma first
+    /// pass at dstate 128).
+    pub fn forward(s: &Shape, cc: (i32, i32)) -> Self {
+        if s.dstate == 128 && cc == (9, 0) {
+            Pieces::OneWave
+        } else {
+            Pieces::FewestTileTimes
+        }
+    }
+}
+
 /// Pieces per part of a first pass (the forward's and the backward's): the first pass of 1 x 16384 x
-/// 64 heads has 192 blocks of 64 tiles, three quarters of a wave of the 264 the GPU holds. More
-/// pieces fill the GPU with shorter blocks; the count taken finishes in the fewest tile-times,
-/// waves x (tiles of a piece + LOCAL_BLOCK_TILES), the fewest pieces on a tie.
-fn local_records_per_part(bh: i64, n_parts: i64, tiles_per_part: i64) -> i64 {
+/// 64 heads has 192 blocks of 64 tiles, three quarters of a wave of the 264 the GPU holds; more
+/// pieces fill the GPU with shorter blocks.
+fn local_records_per_part(bh: i64, n_parts: i64, tiles_per_part: i64, pieces: Pieces) -> i64 {
     if n_parts <= 1 {
         return 1;
     }
     let blocks = bh * (n_parts - 1);
-    (1..=tiles_per_part.min(MAX_LOCAL_RECORDS))
-        .min_by_key(|&r| {
-            let waves = (blocks * r + MMA_WAVE_BLOCKS - 1) / MMA_WAVE_BLOCKS;
-            waves * ((tiles_per_part + r - 1) / r + LOCAL_BLOCK_TILES)
-        })
-        .unwrap_or(1)
+    let counts = 1..=tiles_per_part.min(MAX_LOCAL_RECORDS);
+    match pieces {
+        Pieces::OneWave => counts.rev().find(|&r| blocks * r <= MMA_WAVE_BLOCKS).unwrap_or(1),
+        Pieces::FewestTileTimes => counts
+            .min_by_key(|&r| {
+                let waves = (blocks * r + MMA_WAVE_BLOCKS - 1) / MMA_WAVE_BLOCKS;
+                waves * ((tiles_per_part + r - 1) / r + LOCAL_BLOCK_TILES)
+            })
+            .unwrap_or(1),
+    }
 }
 
-/// The tensor-core forward's workspace: the split's records.
+/// The tensor-core forward's workspace: the split's records, for whichever rule the GPU takes.
 fn mma_fwd_bytes(s: &Shape) -> i64 {
-    let records = mma_fwd_split(s, i64::MAX).records() * mma_fwd_record_bytes(s);
+    let records = [Pieces::FewestTileTimes, Pieces::OneWave]
+        .into_iter()
+        .map(|pieces| mma_fwd_split(s, i64::MAX, pieces).records())
+        .max()
+        .unwrap_or(0)
+        * mma_fwd_record_bytes(s);
     if records == 0 {
         0
     } else {
@@ -329,7 +364,9 @@ pub fn mma_bwd_layout(s: &Shape) -> MmaBwdLayout {
     let da_part = c.take(n_parts * bh * 4);
     let dbias_part = c.take(n_parts * bh * 4);
     let dd_part = c.take(n_parts * bh * s.headdim * 4);
-    let records_per_part = local_records_per_part(bh, n_parts, chunks_per_part * s.chunk_size / MMA_TILE);
+    // (The backward's first pass on wgmma is not yet measured against OneWave.)
+    let records_per_part =
+        local_records_per_part(bh, n_parts, chunks_per_part * s.chunk_size / MMA_TILE, Pieces::FewestTileTimes);
     let records = c.take((n_parts - 1) * records_per_part * bh * (state + 1) * 4);
     MmaBwdLayout {
         n_parts,
@@ -468,22 +505,39 @@ mod tests {
         let shape = mamba2;
         let split =
             |tiles_per_part, n_parts, records_per_part| MmaFwdSplit { tiles_per_part, n_parts, records_per_part };
+        use Pieces::{FewestTileTimes as Waves, OneWave};
         // The H200 measures behind LOCAL_BLOCK_TILES (BENCHMARKS.md, stop 31).
-        assert_eq!(mma_fwd_split(&shape(1, 16384), i64::MAX), split(64, 4, 4));
-        assert_eq!(mma_fwd_split(&shape(2, 8192), i64::MAX), split(64, 2, 2));
-        assert_eq!(mma_fwd_split(&shape(1, 4096), i64::MAX), split(16, 4, 1));
-        assert_eq!(mma_fwd_split(&shape(8, 2048), i64::MAX), split(32, 1, 1));
+        assert_eq!(mma_fwd_split(&shape(1, 16384), i64::MAX, Waves), split(64, 4, 4));
+        assert_eq!(mma_fwd_split(&shape(2, 8192), i64::MAX, Waves), split(64, 2, 2));
+        assert_eq!(mma_fwd_split(&shape(1, 4096), i64::MAX, Waves), split(16, 4, 1));
+        assert_eq!(mma_fwd_split(&shape(8, 2048), i64::MAX, Waves), split(32, 1, 1));
+        // The H100 measures behind OneWave (stop 36): one wave of first-pass blocks.
+        assert_eq!(mma_fwd_split(&shape(1, 16384), i64::MAX, OneWave), split(64, 4, 1));
+        assert_eq!(mma_fwd_split(&shape(1, 32768), i64::MAX, OneWave), split(128, 4, 1));
+        assert_eq!(mma_fwd_split(&shape(2, 8192), i64::MAX, OneWave), split(64, 2, 2));
+        assert_eq!(mma_fwd_split(&shape(1, 4096), i64::MAX, OneWave), split(16, 4, 1));
+        assert_eq!(mma_fwd_split(&Shape { heads: 16, ..shape(1, 16384) }, i64::MAX, OneWave), split(16, 16, 1));
+        assert_eq!(mma_fwd_split(&Shape { heads: 8, ..shape(1, 16384) }, i64::MAX, OneWave), split(8, 32, 1));
+        assert_eq!(mma_fwd_split(&Shape { heads: 4, ..shape(1, 8192) }, i64::MAX, OneWave), split(2, 64, 1));
+        assert_eq!(Pieces::forward(&shape(1, 16384), (9, 0)), OneWave);
+        assert_eq!(Pieces::forward(&Shape { dstate: 64, ..shape(1, 16384) }, (9, 0)), Waves);
+        assert_eq!(Pieces::forward(&shape(1, 16384), (8, 0)), Waves);
         // Where fewer records fit: fewer pieces, then fewer parts; none without a workspace.
-        assert_eq!(mma_fwd_split(&shape(1, 16384), 11), split(64, 4, 3));
-        assert_eq!(mma_fwd_split(&shape(1, 16384), 2), split(86, 3, 1));
-        assert_eq!(mma_fwd_split(&shape(1, 16384), 0), split(256, 1, 1));
+        assert_eq!(mma_fwd_split(&shape(1, 16384), 11, Waves), split(64, 4, 3));
+        assert_eq!(mma_fwd_split(&shape(1, 16384), 2, Waves), split(86, 3, 1));
+        assert_eq!(mma_fwd_split(&shape(1, 16384), 0, Waves), split(256, 1, 1));
         for (batch, seqlen, max) in [(1, 16384, i64::MAX), (1, 100, 7), (3, 5000, 5), (1, 1, 9), (2, 0, 3), (1, 700, 4)]
         {
-            let s = shape(batch, seqlen);
-            let sp = mma_fwd_split(&s, max);
-            let n_tiles = (seqlen + MMA_TILE - 1) / MMA_TILE;
-            assert!(sp.records() <= max && sp.records_per_part <= sp.tiles_per_part.max(1), "{sp:?}");
-            assert!(sp.n_parts * sp.tiles_per_part >= n_tiles && (sp.n_parts - 1) * sp.tiles_per_part < n_tiles.max(1));
+            for pieces in [Waves, OneWave] {
+                let s = shape(batch, seqlen);
+                let sp = mma_fwd_split(&s, max, pieces);
+                let n_tiles = (seqlen + MMA_TILE - 1) / MMA_TILE;
+                assert!(sp.records() <= max && sp.records_per_part <= sp.tiles_per_part.max(1), "{sp:?}");
+                assert!(
+                    sp.n_parts * sp.tiles_per_part >= n_tiles && (sp.n_parts - 1) * sp.tiles_per_part < n_tiles.max(1)
+                );
+                assert!(sp.records() * mma_fwd_record_bytes(&s) <= mma_fwd_bytes(&s), "{sp:?}");
+            }
         }
         let s = shape(1, 16384);
         assert_eq!(mma_fwd_bytes(&s), 12 * mma_fwd_record_bytes(&s) + ALIGN);
