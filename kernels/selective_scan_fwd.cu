@@ -145,6 +145,9 @@ constexpr int kPolyStates = SSF_POLY_STATES;
 #define SSF_STEP_GROUP 8
 #endif
 constexpr int kMaxStepGroup = SSF_STEP_GROUP;
+// Steps per batch of the per-tile scalars (softplus, silu) a thread computes as straight-line code
+// (4 and 16 measured the same as 8).
+constexpr int kScalarBatch = 8;
 // Largest block: 512 threads at 128 registers fill an SM's register file.
 constexpr int kTiledMaxThreads = 512;
 
@@ -338,7 +341,8 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     float* s_B = reinterpret_cast<float*>(shared);  // [S][N]
     float* s_C = s_B + S * N;
     float* s_dtf = s_C + S * N;                     // [channels][PF]: dt
-    float* s_gate = s_dtf + kChannels * PF;     // [channels][PF]: silu(z), or 1
+    constexpr int kGateRows = kChannels * PF;    // from a dt row to the same channel's gate row
+    float* s_gate = s_dtf + kGateRows;           // [channels][PF]: silu(z), or 1
     T* s_u = reinterpret_cast<T*>(s_gate + kChannels * PF);  // [channels][P]: u in, out back
     T* s_delta = s_u + kChannels * P;
     T* s_z = s_delta + kChannels * P;
@@ -432,53 +436,92 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
         if (l0 + S < l_end) fetch(l0 + S);
 
         // Per-step scalars of this tile, all independent: the channel's threads split the steps (f32
-        // tiles have 16 steps: at TPC 32 half the threads take none).
-#pragma unroll 4
-        for (int j = 0; j < (S + TPC - 1) / TPC; ++j) {
-            const int t = j * TPC + part;
-            if (S % TPC != 0 && t >= S) break;
-            float dt = to_f32(s_delta[c * P + t]) + bias;
-            if (p.delta_softplus) dt = softplus_fast(dt);
-            s_dtf[c * PF + t] = dt;
-            if (!kLocal) s_gate[c * PF + t] = has_z ? silu_fast(to_f32(s_z[c * P + t])) : 1.f;
+        // tiles have 16 steps: at TPC 32 half the threads take none). In batches whose loads, then
+        // math, then stores are straight-line code, so that the steps' latency chains (load, two
+        // special-function ops, store) overlap: with a branch per step on the options they ran one
+        // after another, and this phase took 38% of the warps' time for 19% of the instructions.
+        {
+            constexpr int kMine = (S + TPC - 1) / TPC, kBatch = kMine < kScalarBatch ? kMine : kScalarBatch;
+            // This thread's steps are consecutive, so that 2-byte inputs load in pairs (and then a
+            // warp's f32 stores, rows PF = 33 words apart, hit 32 banks).
+            constexpr bool kPairs = sizeof(T) == 2 && kBatch % 2 == 0;
+            auto step_of = [&](int j) { return part * kMine + j; };
+            auto scalars = [&](const T* in, float* to, auto f) {
+#pragma unroll
+                for (int j0 = 0; j0 < kMine; j0 += kBatch) {
+                    float x[kBatch];
+#pragma unroll
+                    for (int i = 0; i < kBatch; ++i) {
+                        const int t = step_of(j0 + i);
+                        if constexpr (kPairs) {
+                            if (i % 2 == 0) {
+                                const uint32_t w = *reinterpret_cast<const uint32_t*>(in + c * P + t);
+                                const T* e = reinterpret_cast<const T*>(&w);
+                                x[i] = to_f32(e[0]), x[i + 1] = to_f32(e[1]);
+                            }
+                        } else {
+                            x[i] = S % TPC != 0 && t >= S ? 0.f : to_f32(in[c * P + t]);
+                        }
+                    }
+#pragma unroll
+                    for (int i = 0; i < kBatch; ++i) x[i] = f(x[i]);
+#pragma unroll
+                    for (int i = 0; i < kBatch; ++i) {
+                        const int t = step_of(j0 + i);
+                        if (S % TPC == 0 || t < S) to[c * PF + t] = x[i];
+                    }
+                }
+            };
+            if (p.delta_softplus) scalars(s_delta, s_dtf, [&](float x) { return softplus_fast(x + bias); });
+            else scalars(s_delta, s_dtf, [&](float x) { return x + bias; });
+            if (!kLocal && has_z) scalars(s_z, s_gate, [](float x) { return silu_fast(x); });
+            if (!kLocal && !has_z)
+                for (int j = 0; j < kMine; ++j)
+                    if (S % TPC == 0 || step_of(j) < S) s_gate[c * PF + step_of(j)] = 1.f;
+            // Steps past the end (in the last tile) get dt = 0, so that their decay is 1 and their
+            // input 0: the step loop runs whole groups. Each thread overwrites steps it wrote above.
+            if (steps < S)
+                for (int j = 0; j < kMine; ++j)
+                    if (step_of(j) >= steps && step_of(j) < S) s_dtf[c * PF + step_of(j)] = 0.f;
         }
-        // Steps past the end (in the last tile) get dt = 0, so that their decay is 1 and their input
-        // 0: the step loop runs whole groups. Each thread overwrites steps it wrote above.
-        if (steps < S)
-            for (int t = part + (steps - part + TPC - 1) / TPC * TPC; t < S; t += TPC) s_dtf[c * PF + t] = 0.f;
         __syncthreads();
 
         // Software-pipelined over steps: step t + 1's shared-memory reads are issued before step t's
         // arithmetic, so their latency hides behind it. (Reading one step past the tile stays inside
         // the padded rows and the shared buffer, and the values are unused.) Steps go in groups of G
-        // (which divides S), the last one whole.
+        // (which divides S), the last one whole. The reads go through pointers advanced a group at a
+        // time, so that every read of a group is a base register plus a constant (addresses computed
+        // from the step index cost ~6 integer instructions a step).
         struct StepIn {
             float u, dt;
             float4 b[K / 4], c[K / 4];
         };
-        auto read_step = [&](int t) {
+        T* u_at = s_u + c * P;                // this channel's rows, at the group's first step
+        const float* dt_at = s_dtf + c * PF;  // (its gate row: + kGateRows)
+        const float* bc_at[K / 4];            // B of this thread's states (their C: + S * N)
+#pragma unroll
+        for (int q = 0; q < K / 4; ++q) bc_at[q] = s_B + bc_swizzle<N>(n0 + 4 * q);  // t * N: swizzle-free
+        auto read_step = [&](int i) {  // step i of the current group (i <= G)
             StepIn in;
-            in.u = to_f32(s_u[c * P + t]);
-            in.dt = s_dtf[c * PF + t];
+            in.u = to_f32(u_at[i]);
+            in.dt = dt_at[i];
             if constexpr (kVaryingBC) {
 #pragma unroll
                 for (int q = 0; q < K / 4; ++q) {
-                    in.b[q] = *reinterpret_cast<const float4*>(s_B + bc_swizzle<N>(t * N + n0 + 4 * q));
-                    in.c[q] = *reinterpret_cast<const float4*>(s_C + bc_swizzle<N>(t * N + n0 + 4 * q));
+                    in.b[q] = *reinterpret_cast<const float4*>(bc_at[q] + i * N);
+                    in.c[q] = *reinterpret_cast<const float4*>(bc_at[q] + i * N + S * N);
                 }
             }
             return in;
         };
         const int my_step = Sums::first_step(part);  // this thread's step of each group
-        T* const my_out = s_u + c * P + my_step;
-        const float* const my_gate = s_gate + c * PF + my_step;
         StepIn next = read_step(0);
         for (int g = 0; g < (steps + G - 1) / G; ++g) {
             float partial[G];  // this thread's share of <C, h> at each step of the group
 #pragma unroll
             for (int i = 0; i < G; ++i) {
                 const StepIn cur = next;
-                next = read_step(g * G + i + 1);
+                next = read_step(i + 1);
                 const float dtu = cur.dt * cur.u;
                 if (kLocal) dt_sum += cur.dt;
                 float Bt[K], Ct[K];
@@ -506,9 +549,14 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
                 Sums::reduce(partial, part);
                 // Every thread of the channel has read the group's u before the shuffles; the one that
                 // holds a step's sum writes the output over its u.
-                if (Sums::finisher(part))
-                    my_out[g * G] = from_f32<T>(fmaf(skip, to_f32(my_out[g * G]), partial[0]) * my_gate[g * G]);
+                if (Sums::finisher(part)) {
+                    const float gate = dt_at[my_step + kGateRows];
+                    u_at[my_step] = from_f32<T>(fmaf(skip, to_f32(u_at[my_step]), partial[0]) * gate);
+                }
             }
+            u_at += G, dt_at += G;
+#pragma unroll
+            for (int q = 0; q < K / 4; ++q) bc_at[q] += G * N;
         }
         __syncthreads();
         if (!kLocal) store_tile(out, s_u, p, map, time_contiguous, x_base, l0, rows, steps);
