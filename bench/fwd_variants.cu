@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
     p.delta_softplus = 1;
     p.chunk_len = L, p.n_chunks = 1;
     // The sequence split of src/ops/selective_scan/mod.rs (split_plan) for small batch x dim.
-    const int tpc = N <= 16 ? 2 : N <= 32 ? 4 : N <= 64 ? 8 : N <= 128 ? 16 : 32;  // tiled_threads_per_channel
+    int tpc = N <= 16 ? 2 : N <= 32 ? 4 : N <= 64 ? 8 : N <= 128 ? 16 : 32;  // tiled_threads_per_channel
     if (N > 256) return fprintf(stderr, "dstate <= 256\n"), 2;
     SelectiveScanFwdParams ps = p;
     // Planned in 64-channel tiles at every dstate (split_plan).
@@ -77,11 +77,15 @@ int main(int argc, char** argv) {
         ps.n_chunks = (L + ps.chunk_len - 1) / ps.chunk_len;
         CHECK(cudaMalloc(&ps.workspace, (ps.n_chunks - 1) * B * D * (8 * tpc + 1) * 4));
     }
+    // One thread of 16 states a channel (cuda.rs): unsplit grids of at least 7/8 of the target;
+    // SSF_TPC=1 or 2 forces either at dstate <= 16 (1 in splits too: the records are as long).
+    const char* force_tpc = getenv("SSF_TPC");
+    if (N <= 16 && (force_tpc ? atoi(force_tpc) == 1 : ps.n_chunks == 1 && tiles >= target * 7 / 8)) tpc = 1;
 
     // Reference: the lanes kernel.
     SelectiveScanFwdParams pr = p;
     pr.out = out_ref;
-    const int ns = N <= 8 ? 1 : tpc;
+    const int ns = N <= 8 ? 1 : N <= 16 ? 2 : N <= 32 ? 4 : N <= 64 ? 8 : N <= 128 ? 16 : 32;  // lanes_per_channel
     const int64_t lane_threads = B * D * ns;
     auto lanes = [&] {
         const unsigned grid = unsigned((lane_threads + 127) / 128);
@@ -112,7 +116,8 @@ int main(int argc, char** argv) {
     const bool scalar_bc = getenv("SSF_SCALAR_BC") || (bld && tpc < 16);
 #define SSF_LAUNCH_TPC(TPC) (scalar_bc ? SSF_LAUNCH_FORM(TPC, varying) : SSF_LAUNCH_FORM(TPC, varying_vec))
     auto tiled = [&] {
-        if (tpc == 2) SSF_LAUNCH_TPC(2);
+        if (tpc == 1) SSF_LAUNCH_TPC(1);
+        else if (tpc == 2) SSF_LAUNCH_TPC(2);
         else if (tpc == 4) SSF_LAUNCH_TPC(4);
         else if (tpc == 8) SSF_LAUNCH_TPC(8);
         else if (tpc == 16) SSF_LAUNCH_TPC(16);

@@ -121,6 +121,9 @@ SSF_ALL_NS(f16, f32)
 // the same at every TPC: a larger dstate means more threads per block (128, 256, 512), not more
 // registers; past 512 threads, fewer channels. Some exponentials can run on the FMA pipes
 // (SSF_POLY_STATES per thread; slower so far: the kernel is bound by instruction issue).
+// TPC 1 (dstate <= 16, where the grid is large enough: cuda.rs): one thread holds a channel's 16
+// states, so nothing is reduced, and u / dt loads are shared by twice the states (15% fewer
+// instructions); dt and the gate are then computed in the step loop, not once per tile.
 
 // Tuning knobs (bench/fwd_variants.sh builds variants with -D to compare them on a GPU).
 #ifndef SSF_POLY_STATES
@@ -136,7 +139,6 @@ SSF_ALL_NS(f16, f32)
 #define SSF_MIN_BLOCKS 4
 #endif
 constexpr int kTileChannels = SSF_TILE_CHANNELS;
-constexpr int kThreadStates = 8;
 constexpr int kPolyStates = SSF_POLY_STATES;
 // Outputs are finished a group of G = min(TPC, SSF_STEP_GROUP) steps at a time: the channel's threads
 // reduce-scatter the group's partial sums, and each writes one step (1: every thread sums every step
@@ -145,15 +147,20 @@ constexpr int kPolyStates = SSF_POLY_STATES;
 #define SSF_STEP_GROUP 8
 #endif
 constexpr int kMaxStepGroup = SSF_STEP_GROUP;
+// At one thread a channel (no reduce), outputs are finished 4 steps at a time: 8 ran 0.5% faster
+// but spills 4 bytes where B/C are staged element by element; 2 ran 3-15% slower.
+constexpr int kSoloStepGroup = 4;
 // Steps per batch of the per-tile scalars (softplus, silu) a thread computes as straight-line code
 // (4 and 16 measured the same as 8).
 constexpr int kScalarBatch = 8;
 // Largest block: 512 threads at 128 registers fill an SM's register file.
 constexpr int kTiledMaxThreads = 512;
 
-// Threads per channel TPC: states per channel, channels and threads per block. From TPC 16 (dstate
-// > 64) a block holds fewer channels (32 or 16), so that it stays at 512 threads.
+// Threads per channel TPC: states per channel, channels and threads per block. 8 states a thread,
+// 16 at TPC 1. From TPC 16 (dstate > 64) a block holds fewer channels (32 or 16), so that it stays
+// at 512 threads.
 template <int TPC> struct Tiled {
+    static constexpr int kThreadStates = TPC == 1 ? 16 : 8;
     static constexpr int kStates = kThreadStates * TPC;  // largest dstate
     static constexpr int kChannels = kTileChannels * TPC <= kTiledMaxThreads ? kTileChannels : kTiledMaxThreads / TPC;
     static constexpr int kThreads = kChannels * TPC;
@@ -331,12 +338,15 @@ template <typename T, typename TB, int TPC, BcForm kBC, bool kLocal>
 __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdParams& p) {
     constexpr bool kVaryingBC = kBC != BcForm::kInvariant;
     using Tl = Tile<T, TPC>;
-    constexpr int N = Tiled<TPC>::kStates, K = kThreadStates, S = Tl::kSteps, P = Tl::kPitch, PF = Tl::kPitchF32;
+    constexpr int N = Tiled<TPC>::kStates, K = Tiled<TPC>::kThreadStates, S = Tl::kSteps, P = Tl::kPitch, PF = Tl::kPitchF32;
     constexpr int kThreads = Tiled<TPC>::kThreads, kChunkRecord = Tiled<TPC>::kChunkRecord;
     constexpr int kChannels = Tiled<TPC>::kChannels;
-    constexpr int G = TPC < kMaxStepGroup ? TPC : kMaxStepGroup;  // one step per thread of a group
+    constexpr int G = TPC == 1 ? kSoloStepGroup : TPC < kMaxStepGroup ? TPC : kMaxStepGroup;  // steps a thread finishes: G / TPC
     using Sums = StepSums<TPC, G>;
     static_assert(S % G == 0, "output groups tile the steps");
+    // One thread a channel computes dt and the gate step by step (a per-tile phase would leave each
+    // thread walking its channel's steps alone, at two warps a scheduler: bench/fwd_floor.cu).
+    constexpr bool kInline = TPC == 1;
     extern __shared__ __align__(16) unsigned char shared[];
     float* s_B = reinterpret_cast<float*>(shared);  // [S][N]
     float* s_C = s_B + S * N;
@@ -440,7 +450,8 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
         // math, then stores are straight-line code, so that the steps' latency chains (load, two
         // special-function ops, store) overlap: with a branch per step on the options they ran one
         // after another, and this phase took 38% of the warps' time for 19% of the instructions.
-        {
+        // (At one thread a channel the step loop computes them instead: kInline.)
+        if constexpr (!kInline) {
             constexpr int kMine = (S + TPC - 1) / TPC, kBatch = kMine < kScalarBatch ? kMine : kScalarBatch;
             // This thread's steps are consecutive, so that 2-byte inputs load in pairs (and then a
             // warp's f32 stores, rows PF = 33 words apart, hit 32 banks).
@@ -483,80 +494,109 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             if (steps < S)
                 for (int j = 0; j < kMine; ++j)
                     if (step_of(j) >= steps && step_of(j) < S) s_dtf[c * PF + step_of(j)] = 0.f;
+            __syncthreads();
         }
-        __syncthreads();
 
         // Software-pipelined over steps: step t + 1's shared-memory reads are issued before step t's
         // arithmetic, so their latency hides behind it. (Reading one step past the tile stays inside
         // the padded rows and the shared buffer, and the values are unused.) Steps go in groups of G
         // (which divides S), the last one whole. The reads go through pointers advanced a group at a
         // time, so that every read of a group is a base register plus a constant (addresses computed
-        // from the step index cost ~6 integer instructions a step).
+        // from the step index cost ~6 integer instructions a step). With one thread a channel
+        // (kInline), dt and the gate are computed here from delta and z, instantiated per option.
         struct StepIn {
-            float u, dt;
+            float u, dt, z;  // kInline: dt holds delta
             float4 b[K / 4], c[K / 4];
         };
-        T* u_at = s_u + c * P;                // this channel's rows, at the group's first step
-        const float* dt_at = s_dtf + c * PF;  // (its gate row: + kGateRows)
-        const float* bc_at[K / 4];            // B of this thread's states (their C: + S * N)
+        auto scan_tile = [&](auto softplus_on, auto z_on) {
+            [[maybe_unused]] constexpr bool kSoftplus = decltype(softplus_on)::value, kHasZ = decltype(z_on)::value;
+            T* u_at = s_u + c * P;                // this channel's rows, at the group's first step
+            const float* dt_at = s_dtf + c * PF;  // (its gate row: + kGateRows)
+            const float* bc_at[K / 4];            // B of this thread's states (their C: + S * N)
 #pragma unroll
-        for (int q = 0; q < K / 4; ++q) bc_at[q] = s_B + bc_swizzle<N>(n0 + 4 * q);  // t * N: swizzle-free
-        auto read_step = [&](int i) {  // step i of the current group (i <= G)
-            StepIn in;
-            in.u = to_f32(u_at[i]);
-            in.dt = dt_at[i];
-            if constexpr (kVaryingBC) {
-#pragma unroll
-                for (int q = 0; q < K / 4; ++q) {
-                    in.b[q] = *reinterpret_cast<const float4*>(bc_at[q] + i * N);
-                    in.c[q] = *reinterpret_cast<const float4*>(bc_at[q] + i * N + S * N);
+            for (int q = 0; q < K / 4; ++q) bc_at[q] = s_B + bc_swizzle<N>(n0 + 4 * q);  // t * N: swizzle-free
+            auto read_step = [&](int i) {  // step i of the current group (i <= G)
+                StepIn in;
+                in.u = to_f32(u_at[i]);
+                if constexpr (kInline) {
+                    in.dt = to_f32(u_at[i + kChannels * P]);  // s_delta
+                    in.z = kHasZ ? to_f32(u_at[i + 2 * kChannels * P]) : 0.f;  // s_z
+                } else {
+                    in.dt = dt_at[i];
                 }
-            }
-            return in;
-        };
-        const int my_step = Sums::first_step(part);  // this thread's step of each group
-        StepIn next = read_step(0);
-        for (int g = 0; g < (steps + G - 1) / G; ++g) {
-            float partial[G];  // this thread's share of <C, h> at each step of the group
-#pragma unroll
-            for (int i = 0; i < G; ++i) {
-                const StepIn cur = next;
-                next = read_step(i + 1);
-                const float dtu = cur.dt * cur.u;
-                if (kLocal) dt_sum += cur.dt;
-                float Bt[K], Ct[K];
                 if constexpr (kVaryingBC) {
 #pragma unroll
                     for (int q = 0; q < K / 4; ++q) {
-                        Bt[4 * q] = cur.b[q].x, Bt[4 * q + 1] = cur.b[q].y, Bt[4 * q + 2] = cur.b[q].z, Bt[4 * q + 3] = cur.b[q].w;
-                        Ct[4 * q] = cur.c[q].x, Ct[4 * q + 1] = cur.c[q].y, Ct[4 * q + 2] = cur.c[q].z, Ct[4 * q + 3] = cur.c[q].w;
+                        in.b[q] = *reinterpret_cast<const float4*>(bc_at[q] + i * N);
+                        in.c[q] = *reinterpret_cast<const float4*>(bc_at[q] + i * N + S * N);
                     }
-                } else {
-#pragma unroll
-                    for (int k = 0; k < K; ++k) Bt[k] = b_inv[k], Ct[k] = c_inv[k];
                 }
-                float acc[2] = {0.f, 0.f};
+                return in;
+            };
+            const int my_step = Sums::first_step(part);  // this thread's step of each group
+            StepIn next = read_step(0);
+            for (int g = 0; g < (steps + G - 1) / G; ++g) {
+                float partial[G];  // this thread's share of <C, h> at each step of the group
+                [[maybe_unused]] float gate[kInline ? G : 1];     // kInline: the gate of each step
+                [[maybe_unused]] const int left = steps - g * G;  // steps of the group before the end
 #pragma unroll
-                for (int k = 0; k < K; ++k) {
-                    const float x = cur.dt * a2[k];
-                    const float decay = k < kPolyStates ? exp2_fma(x) : ex2_ftz(x);
-                    h[k] = fmaf(decay, h[k], dtu * Bt[k]);
-                    if (!kLocal) acc[k % 2] = fmaf(Ct[k], h[k], acc[k % 2]);
+                for (int i = 0; i < G; ++i) {
+                    const StepIn cur = next;
+                    next = read_step(i + 1);
+                    float dt = cur.dt;
+                    if constexpr (kInline) {
+                        dt = kSoftplus ? softplus_fast(dt + bias) : dt + bias;
+                        if (i >= left) dt = 0.f;  // past the end: decay 1, input 0
+                        if constexpr (!kLocal) gate[i] = kHasZ ? silu_fast(cur.z) : 1.f;
+                    }
+                    const float dtu = dt * cur.u;
+                    if (kLocal) dt_sum += dt;
+                    float Bt[K], Ct[K];
+                    if constexpr (kVaryingBC) {
+#pragma unroll
+                        for (int q = 0; q < K / 4; ++q) {
+                            Bt[4 * q] = cur.b[q].x, Bt[4 * q + 1] = cur.b[q].y, Bt[4 * q + 2] = cur.b[q].z, Bt[4 * q + 3] = cur.b[q].w;
+                            Ct[4 * q] = cur.c[q].x, Ct[4 * q + 1] = cur.c[q].y, Ct[4 * q + 2] = cur.c[q].z, Ct[4 * q + 3] = cur.c[q].w;
+                        }
+                    } else {
+#pragma unroll
+                        for (int k = 0; k < K; ++k) Bt[k] = b_inv[k], Ct[k] = c_inv[k];
+                    }
+                    float acc[2] = {0.f, 0.f};
+#pragma unroll
+                    for (int k = 0; k < K; ++k) {
+                        const float x = dt * a2[k];
+                        const float decay = k < kPolyStates ? exp2_fma(x) : ex2_ftz(x);
+                        h[k] = fmaf(decay, h[k], dtu * Bt[k]);
+                        if (!kLocal) acc[k % 2] = fmaf(Ct[k], h[k], acc[k % 2]);
+                    }
+                    partial[i] = acc[0] + acc[1];
                 }
-                partial[i] = acc[0] + acc[1];
+                if constexpr (!kLocal) {
+                    Sums::reduce(partial, part);
+                    // Every thread of the channel has read the group's u before the shuffles; the one
+                    // that holds a step's sum writes the output over its u.
+                    if (Sums::finisher(part)) {
+#pragma unroll
+                        for (int e = 0; e < Sums::E; ++e) {
+                            const int t = my_step + e;
+                            const float gt = kInline ? gate[e] : dt_at[t + kGateRows];
+                            u_at[t] = from_f32<T>(fmaf(skip, to_f32(u_at[t]), partial[e]) * gt);
+                        }
+                    }
+                }
+                u_at += G, dt_at += G;
+#pragma unroll
+                for (int q = 0; q < K / 4; ++q) bc_at[q] += G * N;
             }
-            if constexpr (!kLocal) {
-                Sums::reduce(partial, part);
-                // Every thread of the channel has read the group's u before the shuffles; the one that
-                // holds a step's sum writes the output over its u.
-                if (Sums::finisher(part)) {
-                    const float gate = dt_at[my_step + kGateRows];
-                    u_at[my_step] = from_f32<T>(fmaf(skip, to_f32(u_at[my_step]), partial[0]) * gate);
-                }
-            }
-            u_at += G, dt_at += G;
-#pragma unroll
-            for (int q = 0; q < K / 4; ++q) bc_at[q] += G * N;
+        };
+        using On = std::true_type;
+        using Off = std::false_type;
+        if constexpr (kInline) {
+            if (p.delta_softplus) has_z ? scan_tile(On{}, On{}) : scan_tile(On{}, Off{});
+            else has_z ? scan_tile(Off{}, On{}) : scan_tile(Off{}, Off{});
+        } else {
+            scan_tile(Off{}, Off{});
         }
         __syncthreads();
         if (!kLocal) store_tile(out, s_u, p, map, time_contiguous, x_base, l0, rows, steps);
@@ -576,9 +616,11 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
 
 // selective_scan_fwd_tiled[_local]_<T>_<TB>_tpc<TPC>_<varying|varying_vec|invariant>, launched with
 // Tiled<TPC>::kThreads threads, Tile<T, TPC>::kSharedBytes of dynamic shared memory and a (tiles,
-// batch, chunks) grid. Registers are capped for SSF_MIN_BLOCKS blocks of 128 threads per SM at every
-// TPC (128 a thread).
-#define SSF_TILED_BOUNDS(TPC) __launch_bounds__(Tiled<TPC>::kThreads, SSF_MIN_BLOCKS * 128 / Tiled<TPC>::kThreads)
+// batch, chunks) grid. Registers are capped for SSF_MIN_BLOCKS blocks of 128 threads per SM from TPC
+// 2 on (128 a thread); at TPC 1 for SSF_MIN_BLOCKS blocks of 64 (its 16 states and their operands
+// take ~190-250).
+#define SSF_TILED_BOUNDS(TPC) \
+    __launch_bounds__(Tiled<TPC>::kThreads, TPC == 1 ? SSF_MIN_BLOCKS : SSF_MIN_BLOCKS * 128 / Tiled<TPC>::kThreads)
 #define SSF_TILED_ONE(T, TB, TPC, FORM, NAME)                                                                \
     extern "C" __global__ void SSF_TILED_BOUNDS(TPC)                                                         \
         selective_scan_fwd_tiled_##T##_##TB##_tpc##TPC##_##NAME(const SelectiveScanFwdParams p) {            \
@@ -592,7 +634,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     SSF_TILED_ONE(T, TB, TPC, kVarying, varying)                                                             \
     SSF_TILED_ONE(T, TB, TPC, kVaryingVec, varying_vec) SSF_TILED_ONE(T, TB, TPC, kInvariant, invariant)
 #define SSF_TILED(T, TB) \
-    SSF_TILED_TPC(T, TB, 2) SSF_TILED_TPC(T, TB, 4) SSF_TILED_TPC(T, TB, 8) SSF_TILED_TPC(T, TB, 16) SSF_TILED_TPC(T, TB, 32)
+    SSF_TILED_TPC(T, TB, 1) SSF_TILED_TPC(T, TB, 2) SSF_TILED_TPC(T, TB, 4) SSF_TILED_TPC(T, TB, 8) SSF_TILED_TPC(T, TB, 16) SSF_TILED_TPC(T, TB, 32)
 
 SSF_TILED(f32, f32)
 SSF_TILED(bf16, bf16)

@@ -4,8 +4,9 @@
 //! `skipped: no CUDA device` and passes.
 //!
 //! The library picks between two kernels (`tiled`, `lanes`; see src/ops/selective_scan/cuda.rs);
-//! `matrix_forced_tiled` / `matrix_forced_lanes` rerun the round-trip tests in a child process with
-//! `XLA_SSM_FWD_KERNEL` set, so that both kernels see every case they support.
+//! `matrix_forced_tiled` / `matrix_forced_lanes` / `matrix_forced_tiled1` rerun the round-trip tests
+//! in a child process with `XLA_SSM_FWD_KERNEL` set, so that every kernel (and the tiled one at one
+//! thread a channel) sees every case it supports.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -250,6 +251,13 @@ fn matrix_forced_tiled() {
 #[test]
 fn matrix_forced_lanes() {
     forced("lanes");
+}
+
+/// The tiled kernel at one thread a channel (dstate <= 16), which the library takes on large grids
+/// only; forced, it also runs the sequence split's first pass.
+#[test]
+fn matrix_forced_tiled1() {
+    forced("tiled1");
 }
 
 /// Larger problems (the reference runs on all cores).

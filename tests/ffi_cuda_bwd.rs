@@ -267,6 +267,16 @@ fn roundtrip_matrix() {
     roundtrip_all("bwd matrix", &matrix(), true);
 }
 
+/// The matrix with the forward's tiled kernel at one thread a channel wherever dstate <= 16 (the
+/// library takes it on large grids only), so that its checkpoints are checked too.
+#[test]
+fn matrix_forward_tiled1() {
+    if !gpu() {
+        return;
+    }
+    rerun_with_env("XLA_SSM_FWD_KERNEL", "tiled1", &["roundtrip_matrix"]);
+}
+
 /// Training-sized shapes, against the CPU target (the f64 reference would take too long).
 #[test]
 fn large_cases() {

@@ -1,8 +1,9 @@
 //! The CUDA launch of the forward scan (kernels/selective_scan_fwd.cu), which picks one of two kernels:
 //! - `tiled`: 2 to 32 threads per channel (dstate <= 16, 32, 64, 128, 256), 8 states each in
-//!   registers, tiles of 64 channels (32 and 16 past dstate 64) through shared memory. One B/C group
-//!   per tile, 16-byte aligned rows (seqlen, or dim when channel-last, a multiple of 8 / 4 elements
-//!   for 2- / 4-byte types); B/C staged as 16-byte vectors where they allow it (`tiled_bc_form`).
+//!   registers (or one thread of 16 states at dstate <= 16 on large grids), tiles of 64 channels (32
+//!   and 16 past dstate 64) through shared memory. One B/C group per tile, 16-byte aligned rows
+//!   (seqlen, or dim when channel-last, a multiple of 8 / 4 elements for 2- / 4-byte types); B/C
+//!   staged as 16-byte vectors where they allow it (`tiled_bc_form`).
 //! - `lanes`: 1..32 lanes per channel with 8 states each; any dstate up to 256, any groups, any
 //!   alignment.
 //!
@@ -10,7 +11,10 @@
 //! the host passes a workspace and batch x dim is small, the tiled kernel splits the sequence
 //! ([`super::split_plan`]): two launches, a chunk-local pass and the final one.
 
-use super::{split_plan, tiled_channels, tiled_threads_per_channel, workspace_bytes, Fwd, FwdParams, TILED_MAX_DSTATE};
+use super::{
+    split_plan, tiled_channels, tiled_thread_states, tiled_threads_per_channel, workspace_bytes, Fwd, FwdParams,
+    FWD_SPLIT_TARGET_BLOCKS, TILED_MAX_DSTATE,
+};
 use crate::error::Result;
 use once_cell::sync::Lazy;
 use std::ffi::c_void;
@@ -21,15 +25,28 @@ const LANE_STATES: i64 = 8;
 const LANES_BLOCK: u32 = 128;
 
 /// `Tile<T, TPC>::kSharedBytes`: u, delta, z tiles of 64-byte rows padded by a word, f32 dt and gate
-/// rows padded by one, f32 B and C of 8 x `tpc` states.
+/// rows padded by one, f32 B and C of `Tiled<TPC>::kStates`.
 fn tiled_shared_bytes(elem_bytes: i64, tpc: i64) -> u32 {
     let (steps, channels) = (64 / elem_bytes, tiled_channels(tpc));
     let pitch = steps + 4 / elem_bytes;
-    (3 * channels * pitch * elem_bytes + 2 * channels * (steps + 1) * 4 + 2 * steps * 8 * tpc * 4) as u32
+    let states = tiled_thread_states(tpc) * tpc;
+    (3 * channels * pitch * elem_bytes + 2 * channels * (steps + 1) * 4 + 2 * steps * states * 4) as u32
 }
 
-/// `XLA_SSM_FWD_KERNEL=lanes` forces the lanes kernel (tests use it to cover both).
-static FORCE_LANES: Lazy<bool> = Lazy::new(|| std::env::var("XLA_SSM_FWD_KERNEL").as_deref() == Ok("lanes"));
+/// `XLA_SSM_FWD_KERNEL=lanes` forces the lanes kernel, `tiled1` the tiled one at one thread a channel
+/// wherever dstate <= 16 (tests use them to cover every kernel).
+static FORCED_KERNEL: Lazy<Option<String>> = Lazy::new(|| std::env::var("XLA_SSM_FWD_KERNEL").ok());
+
+fn forced(kernel: &str) -> bool {
+    FORCED_KERNEL.as_deref() == Some(kernel)
+}
+
+/// Blocks from which the tiled kernel takes one thread of 16 states a channel at dstate <= 16: about
+/// four 64-thread blocks an SM of an H100, the two warps a scheduler its step loop needs. On an H100
+/// it ran 7% faster than two threads a channel at 8 x 4096 x 2048 (512 blocks: 3.9 an SM), 2-3% at
+/// 64 x 2048 x 512 and 16 x 5120 x 2048 ("bdl"), but 13% slower at 16 x 1536 x 2048 (384 blocks),
+/// and gained nothing overall where the sequence is split (BENCHMARKS.md, stop 38).
+const ONE_THREAD_MIN_BLOCKS: i64 = 7 * FWD_SPLIT_TARGET_BLOCKS / 8;
 
 /// Lanes per channel: enough lanes of 8 states to cover dstate, a power of two up to 32.
 fn lanes_per_channel(dstate: i64) -> i64 {
@@ -86,23 +103,27 @@ pub(super) fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
     let types = format!("{}_{}", fwd.dtype.name(), fwd.bc_dtype.name());
     // The tiled kernel is about 4x faster than the lanes kernel at every shape measured (H100,
     // BENCHMARKS.md), small ones included; lanes covers what tiled does not.
-    if tiled_supported(fwd) && !*FORCE_LANES {
-        let tpc = tiled_threads_per_channel(p.dstate);
-        let form = tiled_bc_form(fwd, tpc);
-        let channels = tiled_channels(tpc);
-        let tiles = ((p.dim + channels - 1) / channels) as u64;
-        // Mirror of `Tiled<TPC>::kThreads`.
-        let config = |chunks: i64| LaunchConfig {
-            grid: (tiles, p.batch as u64, chunks as u64),
-            block: (channels * tpc) as u32,
-            shared_bytes: tiled_shared_bytes(fwd.dtype.size_bytes(), tpc),
-        };
-        let kernel = format!("selective_scan_fwd_tiled_{types}_tpc{tpc}_{form}");
+    if tiled_supported(fwd) && !forced("lanes") {
         let (chunk_len, n_chunks) = split_plan(p.batch, p.dim, p.seqlen);
         let needed = workspace_bytes(p.batch, p.dim, p.seqlen, p.dstate);
         // The records are f32: a host's misaligned scratch is not used rather than faulted on.
         let usable = !p.workspace.is_null() && (p.workspace as usize).is_multiple_of(4);
-        if n_chunks > 1 && needed > 0 && fwd.workspace_bytes >= needed && usable {
+        let split = n_chunks > 1 && needed > 0 && fwd.workspace_bytes >= needed && usable;
+        let mut tpc = tiled_threads_per_channel(p.dstate);
+        let tiles = (p.dim + tiled_channels(tpc) - 1) / tiled_channels(tpc);
+        if p.dstate <= 16 && (forced("tiled1") || (!split && tiles * p.batch >= ONE_THREAD_MIN_BLOCKS)) {
+            tpc = 1; // as many channels a block (Tiled<1>::kChannels), so the same tiles
+        }
+        let form = tiled_bc_form(fwd, tpc);
+        let channels = tiled_channels(tpc);
+        // Mirror of `Tiled<TPC>::kThreads`.
+        let config = |chunks: i64| LaunchConfig {
+            grid: (tiles as u64, p.batch as u64, chunks as u64),
+            block: (channels * tpc) as u32,
+            shared_bytes: tiled_shared_bytes(fwd.dtype.size_bytes(), tpc),
+        };
+        let kernel = format!("selective_scan_fwd_tiled_{types}_tpc{tpc}_{form}");
+        if split {
             let split = FwdParams { chunk_len, n_chunks, ..*p };
             let local = format!("selective_scan_fwd_tiled_local_{types}_tpc{tpc}_{form}");
             launch(stream, "selective_scan_fwd", &local, config(n_chunks - 1), &split)?;

@@ -138,10 +138,21 @@ const TILED_MAX_THREADS: i64 = 512;
 /// Largest dstate of the CUDA `tiled` kernel (`Tiled<32>::kStates`), the only one that splits.
 pub const TILED_MAX_DSTATE: i64 = 256;
 
-/// Threads per channel of the CUDA `tiled` kernel for this dstate (`TPC`: 8 states each, 2 at least).
+/// Threads per channel of the CUDA `tiled` kernel for this dstate (`TPC`: 8 states each, 2 at least;
+/// cuda.rs takes one thread of 16 states instead at dstate <= 16 where the grid is large).
 pub fn tiled_threads_per_channel(dstate: i64) -> i64 {
     let threads = (dstate.max(1) + 7) / 8;
     (threads.max(2) as u64).next_power_of_two() as i64
+}
+
+/// States a thread of the `tiled` kernel holds at `tpc` threads per channel
+/// (`Tiled<TPC>::kThreadStates`).
+pub fn tiled_thread_states(tpc: i64) -> i64 {
+    if tpc == 1 {
+        16
+    } else {
+        8
+    }
 }
 
 /// Channels per block of the CUDA `tiled` kernel at `tpc` threads per channel
@@ -153,7 +164,8 @@ pub fn tiled_channels(tpc: i64) -> i64 {
 /// f32s per (chunk, batch, channel) record of the split: end state (the kernel's states for this
 /// dstate), then sum of dt (`Tiled<TPC>::kChunkRecord`).
 fn split_record_floats(dstate: i64) -> i64 {
-    8 * tiled_threads_per_channel(dstate) + 1
+    let tpc = tiled_threads_per_channel(dstate);
+    tiled_thread_states(tpc) * tpc + 1
 }
 /// Multiprocessors the splits aim to fill (an H100's).
 const SPLIT_SMS: i64 = 132;
