@@ -64,6 +64,11 @@ int main(int argc, char** argv) {
     }
     p.delta_softplus = 1;
     p.chunk_len = L, p.n_chunks = 1;
+    // SSF_CHECKPOINT_LEN=64 (a multiple of 32): also write the backward's checkpoints (training).
+    if (const char* ckl = getenv("SSF_CHECKPOINT_LEN")) {
+        p.checkpoint_len = atoll(ckl);
+        CHECK(cudaMalloc(&p.checkpoints, B * D * ((L + p.checkpoint_len - 1) / p.checkpoint_len) * N * 4));
+    }
     // The sequence split of src/ops/selective_scan/mod.rs (split_plan) for small batch x dim.
     int tpc = N <= 16 ? 2 : N <= 32 ? 4 : N <= 64 ? 8 : N <= 128 ? 16 : 32;  // tiled_threads_per_channel
     if (N > 256) return fprintf(stderr, "dstate <= 256\n"), 2;
@@ -84,7 +89,7 @@ int main(int argc, char** argv) {
 
     // Reference: the lanes kernel.
     SelectiveScanFwdParams pr = p;
-    pr.out = out_ref;
+    pr.out = out_ref, pr.checkpoints = nullptr, pr.checkpoint_len = 0;
     const int ns = N <= 8 ? 1 : N <= 16 ? 2 : N <= 32 ? 4 : N <= 64 ? 8 : N <= 128 ? 16 : 32;  // lanes_per_channel
     const int64_t lane_threads = B * D * ns;
     auto lanes = [&] {
@@ -154,8 +159,8 @@ int main(int argc, char** argv) {
     CHECK(cudaGetDeviceProperties(&prop, dev));
     // Special-function-unit floor: one ex2 per element at 16 per clock per SM, at 1.755 GHz.
     const double floor_us = double(nx) * N / (prop.multiProcessorCount * 16.0 * 1.755e9) * 1e6;
-    printf("chunks=%lld poly=%d group=%d %s B=%lld D=%lld L=%lld N=%lld  tiled %.1f us (first pass %.1f)  lanes %.1f us  exp-floor %.1f us (%.0f%%)  relL2 %.2e\n",
-           (long long)ps.n_chunks, SSF_POLY_STATES, SSF_STEP_GROUP, bld ? "bld" : "bdl", (long long)B,
+    printf("chunks=%lld ckl=%lld poly=%d group=%d %s B=%lld D=%lld L=%lld N=%lld  tiled %.1f us (first pass %.1f)  lanes %.1f us  exp-floor %.1f us (%.0f%%)  relL2 %.2e\n",
+           (long long)ps.n_chunks, (long long)p.checkpoint_len, SSF_POLY_STATES, SSF_STEP_GROUP, bld ? "bld" : "bdl", (long long)B,
            (long long)D, (long long)L, (long long)N, t_tiled, t_local, t_lanes, floor_us, 100.0 * floor_us / t_tiled, sqrt(num / den));
     return 0;
 }

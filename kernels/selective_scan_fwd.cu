@@ -189,20 +189,26 @@ template <typename T, int TPC> struct Tile {
 // E = 16 / sizeof(T) elements along the contiguous axis: with time contiguous ("bdl") vector v covers
 // steps (v % (S/E)) * E .. + E of row v / (S/E); with channels contiguous ("bld") it covers rows
 // (v % (C/E)) * E .. + E at step v / (C/E), C = Tiled<TPC>::kChannels. v = k * threads + i; a v past
-// the tile gets row C (outside every tile's rows: never loaded or stored).
+// the tile gets row C (outside every tile's rows: never loaded or stored). `offset` is the vector's
+// place in global memory from the tile's first element (the same for u, delta, z and out), computed
+// once: from scratch every tile, the 64-bit address arithmetic took ~100 instructions a tile.
 template <typename T, int TPC> struct TileMap {
     using Tl = Tile<T, TPC>;
     static constexpr int S = Tl::kSteps, E = Tl::kVecElems, C = Tl::kChannels;
     int row[Tl::kVecsPerThread], t[Tl::kVecsPerThread];
-    __device__ __forceinline__ TileMap(bool time_contiguous) {
+    int64_t offset[Tl::kVecsPerThread];
+    __device__ __forceinline__ TileMap(const SelectiveScanFwdParams& p, bool time_contiguous) {
 #pragma unroll
         for (int k = 0; k < Tl::kVecsPerThread; ++k) {
             const int v = k * Tl::kThreads + threadIdx.x;
             row[k] = time_contiguous ? v / (S / E) : (v % (C / E)) * E;
             t[k] = time_contiguous ? (v % (S / E)) * E : v / (C / E);
             if (Tl::kVecs % Tl::kThreads != 0 && v >= Tl::kVecs) row[k] = C, t[k] = 0;
+            offset[k] = row[k] * p.x_stride_dim + t[k] * p.x_stride_seq;
         }
     }
+    // Whether vector k lies inside a tile of `rows` channels and `steps` steps.
+    __device__ __forceinline__ bool inside(int k, int rows, int steps) const { return row[k] < rows && t[k] < steps; }
 };
 
 // One tensor's tile in flight: vectors loaded from global memory, later unpacked into shared memory.
@@ -210,14 +216,11 @@ template <typename T, int TPC> struct TileRegs {
     using Tl = Tile<T, TPC>;
     uint4 v[Tl::kVecsPerThread];
 
-    __device__ __forceinline__ void load(const T* g, const SelectiveScanFwdParams& p, const TileMap<T, TPC>& m,
-                                         int64_t base, int64_t l0, int rows, int steps) {
+    // `tile`: the tile's first element.
+    __device__ __forceinline__ void load(const T* tile, const TileMap<T, TPC>& m, int rows, int steps) {
 #pragma unroll
-        for (int k = 0; k < Tl::kVecsPerThread; ++k) {
-            const bool in = m.row[k] < rows && m.t[k] < steps;
-            const int64_t at = base + m.row[k] * p.x_stride_dim + (l0 + m.t[k]) * p.x_stride_seq;
-            v[k] = in ? __ldg(reinterpret_cast<const uint4*>(g + at)) : make_uint4(0, 0, 0, 0);
-        }
+        for (int k = 0; k < Tl::kVecsPerThread; ++k)
+            v[k] = m.inside(k, rows, steps) ? __ldg(reinterpret_cast<const uint4*>(tile + m.offset[k])) : make_uint4(0, 0, 0, 0);
     }
 
     // Unpacks into tile[row * P + t]: whole 4-byte words along the steps (time contiguous), else
@@ -239,14 +242,15 @@ template <typename T, int TPC> struct TileRegs {
     }
 };
 
-// Writes the output tile from shared memory with 16-byte global stores.
+// Writes the output tile from shared memory with 16-byte global stores (`tile_out`: the tile's
+// first element in global memory).
 template <typename T, int TPC>
-__device__ __forceinline__ void store_tile(T* g, const T* tile, const SelectiveScanFwdParams& p, const TileMap<T, TPC>& m,
-                                           bool time_contiguous, int64_t base, int64_t l0, int rows, int steps) {
+__device__ __forceinline__ void store_tile(T* tile_out, const T* tile, const TileMap<T, TPC>& m, bool time_contiguous,
+                                           int rows, int steps) {
     constexpr int P = Tile<T, TPC>::kPitch, E = Tile<T, TPC>::kVecElems;
 #pragma unroll
     for (int k = 0; k < Tile<T, TPC>::kVecsPerThread; ++k) {
-        if (!(m.row[k] < rows && m.t[k] < steps)) continue;
+        if (!m.inside(k, rows, steps)) continue;
         uint4 v;
         if (time_contiguous) {
             const uint32_t* w = reinterpret_cast<const uint32_t*>(tile + m.row[k] * P + m.t[k]);
@@ -256,7 +260,8 @@ __device__ __forceinline__ void store_tile(T* g, const T* tile, const SelectiveS
 #pragma unroll
             for (int j = 0; j < E; ++j) e[j] = tile[(m.row[k] + j) * P + m.t[k]];
         }
-        *reinterpret_cast<uint4*>(g + base + m.row[k] * p.x_stride_dim + (l0 + m.t[k]) * p.x_stride_seq) = v;
+        // Through the intrinsic: a plain uint4 store here compiled to four 4-byte stores.
+        __stcg(reinterpret_cast<uint4*>(tile_out + m.offset[k]), v);
     }
 }
 
@@ -408,35 +413,46 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     const T* delta = static_cast<const T*>(p.delta);
     const T* z = static_cast<const T*>(p.z);
     T* out = static_cast<T*>(p.out);
-    const TileMap<T, TPC> map(time_contiguous);
+    const TileMap<T, TPC> map(p, time_contiguous);
 
     // The next tile, in flight while the current one is computed.
     TileRegs<T, TPC> next_u, next_delta, next_z;
     BcTileRegs<TB, N, S, kThreads, kBC> next_bc;
     auto fetch = [&](int64_t l0) {
         const int steps = int(min(int64_t(S), l_end - l0));
-        next_u.load(u, p, map, x_base, l0, rows, steps);
-        next_delta.load(delta, p, map, x_base, l0, rows, steps);
-        if (has_z) next_z.load(z, p, map, x_base, l0, rows, steps);
+        const int64_t at = x_base + l0 * p.x_stride_seq;  // the tile's first element
+        next_u.load(u + at, map, rows, steps);
+        next_delta.load(delta + at, map, rows, steps);
+        if (has_z) next_z.load(z + at, map, rows, steps);
         if constexpr (kVaryingBC) next_bc.load(Bm, Cm, p, bc_base, l0, steps, bc_time_contiguous);
     };
+
+    // The next checkpoint's step and row, advanced as tiles reach them (a 64-bit division a tile
+    // cost more than the stores).
+    int64_t checkpoint_step = -1;
+    float* checkpoint = nullptr;
+    if (!kLocal && p.checkpoints) {
+        const int64_t first = (l_begin + p.checkpoint_len - 1) / p.checkpoint_len;
+        checkpoint_step = first * p.checkpoint_len;
+        checkpoint = p.checkpoints + ((b * p.dim + d) * checkpoint_count(p) + first) * p.dstate;
+    }
 
     float dt_sum = 0.f;
     if (l_begin < l_end) fetch(l_begin);
     for (int64_t l0 = l_begin; l0 < l_end; l0 += S) {
         const int steps = int(min(int64_t(S), l_end - l0));
         // Tiles start at multiples of S, which divides checkpoint_len (a multiple of 32).
-        if (!kLocal && p.checkpoints && active && l0 % p.checkpoint_len == 0) {
-            float* checkpoint = p.checkpoints + ((b * p.dim + d) * checkpoint_count(p) + l0 / p.checkpoint_len) * p.dstate;
-            if (p.dstate == N) {  // 16-byte stores (the row is 64-byte aligned)
+        if (!kLocal && l0 == checkpoint_step) {
+            if (active && p.dstate == N) {  // 16-byte stores (the row is 64-byte aligned)
 #pragma unroll
                 for (int q = 0; q < K / 4; ++q)
                     reinterpret_cast<float4*>(checkpoint + n0)[q] = make_float4(h[4 * q], h[4 * q + 1], h[4 * q + 2], h[4 * q + 3]);
-            } else {
+            } else if (active) {
 #pragma unroll
                 for (int k = 0; k < K; ++k)
                     if (n0 + k < p.dstate) checkpoint[n0 + k] = h[k];
             }
+            checkpoint_step += p.checkpoint_len, checkpoint += p.dstate;
         }
         next_u.store_shared(s_u, map, time_contiguous);
         next_delta.store_shared(s_delta, map, time_contiguous);
@@ -599,7 +615,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             scan_tile(Off{}, Off{});
         }
         __syncthreads();
-        if (!kLocal) store_tile(out, s_u, p, map, time_contiguous, x_base, l0, rows, steps);
+        if (!kLocal) store_tile(out + x_base + l0 * p.x_stride_seq, s_u, map, time_contiguous, rows, steps);
         __syncthreads();
     }
     if (!active) return;
