@@ -7,6 +7,8 @@
 //            as the tiled kernel computes them: a phase per tile, the channel's threads splitting
 //            its steps, then a barrier;
 //   inline   the same scalars computed in the step loop by every thread of the channel.
+// Then `scalars` at TPC 4, 8 and 16 in blocks of 8 to 32 channels: how a scan without a sequence
+// split would fare where batch x dim is small (1 x 4096 channels fill the SMs only that way).
 // Build and run on the GPU machine:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o fwd_floor bench/fwd_floor.cu
 //   ./fwd_floor [batch dim seqlen]      (default 8 4096 2048)
@@ -15,7 +17,7 @@
 #include <cuda_runtime.h>
 
 namespace {
-constexpr int kSteps = 32, kStates = 16, kChannels = 64;
+constexpr int kSteps = 32, kStates = 16;
 constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ float ex2(float x) {
@@ -35,7 +37,7 @@ __device__ __forceinline__ float rcp(float x) {
 }
 
 // kScalars: 0 core, 1 scalars (a phase per tile), 2 inline (in the step loop).
-template <int kScalars, int kTpc>
+template <int kScalars, int kTpc, int kChannels = 64>
 __global__ void __launch_bounds__(kChannels * kTpc, 4) floor_kernel(int seqlen, float* sink) {
     constexpr int kThreadStates = kStates / kTpc;
     constexpr int P = kSteps + 1;
@@ -86,6 +88,10 @@ __global__ void __launch_bounds__(kChannels * kTpc, 4) floor_kernel(int seqlen, 
             }
             const float dtu = dt * s_u[c * P + t];
             float Bt[kThreadStates], Ct[kThreadStates];
+            if constexpr (kThreadStates < 4) {  // 1 or 2 states a thread
+#pragma unroll
+                for (int k = 0; k < kThreadStates; ++k) Bt[k] = b_row[t * kStates + k], Ct[k] = b_row[t * kStates + k + kSteps * kStates];
+            }
 #pragma unroll
             for (int q = 0; q < kThreadStates / 4; ++q) {
                 const float4 b = *reinterpret_cast<const float4*>(b_row + t * kStates + 4 * q);
@@ -116,21 +122,21 @@ __global__ void __launch_bounds__(kChannels * kTpc, 4) floor_kernel(int seqlen, 
 int main(int argc, char** argv) {
     const long long batch = argc > 3 ? atoll(argv[1]) : 8, dim = argc > 3 ? atoll(argv[2]) : 4096;
     const int seqlen = argc > 3 ? atoi(argv[3]) : 2048;
-    if (batch * dim % kChannels != 0) return fprintf(stderr, "batch x dim: a multiple of %d\n", kChannels), 2;
-    const unsigned blocks = unsigned(batch * dim / kChannels);
-    float* sink;
-    if (cudaMalloc(&sink, size_t(blocks) * kChannels * 4 * 4) != cudaSuccess) return 1;
+    if (batch * dim % 64 != 0) return fprintf(stderr, "batch x dim: a multiple of 64\n"), 2;
+    float* sink;  // a float a thread, up to 16 threads a channel
+    if (cudaMalloc(&sink, size_t(batch * dim) * 16 * 4) != cudaSuccess) return 1;
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0), cudaEventCreate(&e1);
     int clock_khz = 0, sms = 0;
     cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
     const double elements = double(batch) * dim * seqlen * kStates;
-    auto run = [&](const char* name, auto kernel, int tpc) {
-        for (int i = 0; i < 3; ++i) kernel<<<blocks, kChannels * tpc>>>(seqlen, sink);
+    auto run = [&](const char* name, auto kernel, int tpc, int channels = 64) {
+        const unsigned blocks = unsigned(batch * dim / channels);
+        for (int i = 0; i < 3; ++i) kernel<<<blocks, channels * tpc>>>(seqlen, sink);
         cudaEventRecord(e0);
         const int iters = 10;
-        for (int i = 0; i < iters; ++i) kernel<<<blocks, kChannels * tpc>>>(seqlen, sink);
+        for (int i = 0; i < iters; ++i) kernel<<<blocks, channels * tpc>>>(seqlen, sink);
         cudaEventRecord(e1);
         cudaEventSynchronize(e1);
         float ms = 0.f;
@@ -138,8 +144,8 @@ int main(int argc, char** argv) {
         const double us = ms * 1000.0 / iters;
         // One ex2 per element on 16 special-function lanes an SM, at the device's rated clock.
         const double floor_us = elements / (16.0 * sms * clock_khz * 1e3) * 1e6;
-        printf("%-8s tpc %d %lldx%lldx%dx16: %8.1f us; one ex2 an element at %d MHz: %.1f us (%.0f%%)\n", name, tpc, batch,
-               dim, seqlen, us, clock_khz / 1000, floor_us, 100.0 * floor_us / us);
+        printf("%-8s tpc %2d, %2d channels a block, %lldx%lldx%dx16: %8.1f us; one ex2 an element at %d MHz: %.1f us (%.0f%%)\n",
+               name, tpc, channels, batch, dim, seqlen, us, clock_khz / 1000, floor_us, 100.0 * floor_us / us);
     };
     run("core", floor_kernel<0, 2>, 2);
     run("scalars", floor_kernel<1, 2>, 2);
@@ -149,6 +155,11 @@ int main(int argc, char** argv) {
     run("inline", floor_kernel<2, 1>, 1);
     run("core", floor_kernel<0, 4>, 4);
     run("scalars", floor_kernel<1, 4>, 4);
+    run("scalars", floor_kernel<1, 4, 16>, 4, 16);
+    run("scalars", floor_kernel<1, 8, 16>, 8, 16);
+    run("scalars", floor_kernel<1, 8, 32>, 8, 32);
+    run("scalars", floor_kernel<1, 16, 8>, 16, 8);
+    run("scalars", floor_kernel<1, 16, 16>, 16, 16);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return fprintf(stderr, "%s\n", cudaGetErrorString(e)), 1;
     return 0;
