@@ -114,11 +114,12 @@ int main(int argc, char** argv) {
         if (!local_only) kernel<<<grid, threads, smem>>>(ps);
     };
     // The B/C staging src/ops/selective_scan/cuda.rs picks (tiled_bc_form): 16-byte vectors, but
-    // element by element for channel-last below 16 threads per channel; SSF_SCALAR_BC=1 forces that.
+    // element by element for channel-last below 16 threads per channel; SSF_SCALAR_BC=1 forces that,
+    // SSF_VEC_BC=1 vectors for channel-last too.
 #define SSF_LAUNCH_FORM(TPC, FORM)                                                                                     \
     launch_tiled(selective_scan_fwd_tiled_local_bf16_bf16_tpc##TPC##_##FORM, selective_scan_fwd_tiled_bf16_bf16_tpc##TPC##_##FORM, \
                  Tiled<TPC>::kChannels, Tiled<TPC>::kThreads, Tile<bf16, TPC>::kSharedBytes)
-    const bool scalar_bc = getenv("SSF_SCALAR_BC") || (bld && tpc < 16);
+    const bool scalar_bc = getenv("SSF_SCALAR_BC") || (bld && tpc < 16 && !getenv("SSF_VEC_BC"));
 #define SSF_LAUNCH_TPC(TPC) (scalar_bc ? SSF_LAUNCH_FORM(TPC, varying) : SSF_LAUNCH_FORM(TPC, varying_vec))
     auto tiled = [&] {
         if (tpc == 1) SSF_LAUNCH_TPC(1);
