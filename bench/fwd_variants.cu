@@ -82,10 +82,14 @@ int main(int argc, char** argv) {
         ps.n_chunks = (L + ps.chunk_len - 1) / ps.chunk_len;
         CHECK(cudaMalloc(&ps.workspace, (ps.n_chunks - 1) * B * D * (8 * tpc + 1) * 4));
     }
-    // One thread of 16 states a channel (cuda.rs): unsplit grids of at least 7/8 of the target;
-    // SSF_TPC=1 or 2 forces either at dstate <= 16 (1 in splits too: the records are as long).
+    // One thread of 16 states a channel in the pass that writes the outputs (cuda.rs): grids of at
+    // least 7/8 of the target, unsplit or in chunks of at least 384 steps; SSF_TPC=1 or 2 forces
+    // either at dstate <= 16 (the split's first pass stays at 2: the records are as long).
     const char* force_tpc = getenv("SSF_TPC");
-    if (N <= 16 && (force_tpc ? atoi(force_tpc) == 1 : ps.n_chunks == 1 && tiles >= target * 7 / 8)) tpc = 1;
+    const bool one_thread = force_tpc ? atoi(force_tpc) == 1
+                                      : tiles * ps.n_chunks >= target * 7 / 8 && (ps.n_chunks == 1 || ps.chunk_len >= 384);
+    const int local_tpc = tpc;
+    if (N <= 16 && one_thread) tpc = 1;
 
     // Reference: the lanes kernel.
     SelectiveScanFwdParams pr = p;
@@ -101,33 +105,39 @@ int main(int argc, char** argv) {
         else if (ns == 16) selective_scan_fwd_lanes_bf16_bf16_ns16<<<grid, 128>>>(pr);
         else selective_scan_fwd_lanes_bf16_bf16_ns32<<<grid, 128>>>(pr);
     };
-    // The tiled kernel's pair of launches (local pass, final pass) at TPC threads per channel.
+    // The tiled kernel's launches: the split's first pass at local_tpc threads a channel, then the
+    // pass that writes the outputs at tpc.
     bool local_only = false;  // time the split's first pass alone
-    auto launch_tiled = [&](auto local_kernel, auto kernel, int channels, int threads, int smem) {
+    auto launch = [&](auto kernel, int channels, int threads, int smem, int64_t chunks) {
         CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        CHECK(cudaFuncSetAttribute(local_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        dim3 grid(unsigned((D + channels - 1) / channels), unsigned(B), unsigned(ps.n_chunks));
-        if (ps.n_chunks > 1) {
-            dim3 local(grid.x, grid.y, grid.z - 1);
-            local_kernel<<<local, threads, smem>>>(ps);
-        }
-        if (!local_only) kernel<<<grid, threads, smem>>>(ps);
+        const dim3 grid(unsigned((D + channels - 1) / channels), unsigned(B), unsigned(chunks));
+        kernel<<<grid, threads, smem>>>(ps);
     };
     // The B/C staging src/ops/selective_scan/cuda.rs picks (tiled_bc_form): 16-byte vectors, but
     // element by element for channel-last below 16 threads per channel; SSF_SCALAR_BC=1 forces that,
     // SSF_VEC_BC=1 vectors for channel-last too.
-#define SSF_LAUNCH_FORM(TPC, FORM)                                                                                     \
-    launch_tiled(selective_scan_fwd_tiled_local_bf16_bf16_tpc##TPC##_##FORM, selective_scan_fwd_tiled_bf16_bf16_tpc##TPC##_##FORM, \
-                 Tiled<TPC>::kChannels, Tiled<TPC>::kThreads, Tile<bf16, TPC>::kSharedBytes)
     const bool scalar_bc = getenv("SSF_SCALAR_BC") || (bld && tpc < 16 && !getenv("SSF_VEC_BC"));
-#define SSF_LAUNCH_TPC(TPC) (scalar_bc ? SSF_LAUNCH_FORM(TPC, varying) : SSF_LAUNCH_FORM(TPC, varying_vec))
+#define SSF_LAUNCH_FORM(PASS, TPC, FORM, CHUNKS)                                                          \
+    launch(selective_scan_fwd_##PASS##_bf16_bf16_tpc##TPC##_##FORM, Tiled<TPC>::kChannels, Tiled<TPC>::kThreads, \
+           Tile<bf16, TPC>::kSharedBytes, CHUNKS)
+#define SSF_LAUNCH_TPC(PASS, TPC, CHUNKS) \
+    (scalar_bc ? SSF_LAUNCH_FORM(PASS, TPC, varying, CHUNKS) : SSF_LAUNCH_FORM(PASS, TPC, varying_vec, CHUNKS))
     auto tiled = [&] {
-        if (tpc == 1) SSF_LAUNCH_TPC(1);
-        else if (tpc == 2) SSF_LAUNCH_TPC(2);
-        else if (tpc == 4) SSF_LAUNCH_TPC(4);
-        else if (tpc == 8) SSF_LAUNCH_TPC(8);
-        else if (tpc == 16) SSF_LAUNCH_TPC(16);
-        else SSF_LAUNCH_TPC(32);
+        if (ps.n_chunks > 1) {
+            const int64_t chunks = ps.n_chunks - 1;
+            if (local_tpc == 2) SSF_LAUNCH_TPC(tiled_local, 2, chunks);
+            else if (local_tpc == 4) SSF_LAUNCH_TPC(tiled_local, 4, chunks);
+            else if (local_tpc == 8) SSF_LAUNCH_TPC(tiled_local, 8, chunks);
+            else if (local_tpc == 16) SSF_LAUNCH_TPC(tiled_local, 16, chunks);
+            else SSF_LAUNCH_TPC(tiled_local, 32, chunks);
+        }
+        if (local_only) return;
+        if (tpc == 1) SSF_LAUNCH_TPC(tiled, 1, ps.n_chunks);
+        else if (tpc == 2) SSF_LAUNCH_TPC(tiled, 2, ps.n_chunks);
+        else if (tpc == 4) SSF_LAUNCH_TPC(tiled, 4, ps.n_chunks);
+        else if (tpc == 8) SSF_LAUNCH_TPC(tiled, 8, ps.n_chunks);
+        else if (tpc == 16) SSF_LAUNCH_TPC(tiled, 16, ps.n_chunks);
+        else SSF_LAUNCH_TPC(tiled, 32, ps.n_chunks);
     };
     cudaEvent_t e0, e1;
     CHECK(cudaEventCreate(&e0)); CHECK(cudaEventCreate(&e1));

@@ -630,27 +630,28 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     }
 }
 
-// selective_scan_fwd_tiled[_local]_<T>_<TB>_tpc<TPC>_<varying|varying_vec|invariant>, launched with
-// Tiled<TPC>::kThreads threads, Tile<T, TPC>::kSharedBytes of dynamic shared memory and a (tiles,
-// batch, chunks) grid. Registers are capped for SSF_MIN_BLOCKS blocks of 128 threads per SM from TPC
+// selective_scan_fwd_tiled[_local]_<T>_<TB>_tpc<TPC>_<varying|varying_vec|invariant> (_local from
+// TPC 2 on), launched with Tiled<TPC>::kThreads threads, Tile<T, TPC>::kSharedBytes of dynamic shared
+// memory and a (tiles, batch, chunks) grid. Registers are capped for SSF_MIN_BLOCKS blocks of 128 threads per SM from TPC
 // 2 on (128 a thread); at TPC 1 for SSF_MIN_BLOCKS blocks of 64 (its 16 states and their operands
 // take ~190-250).
 #define SSF_TILED_BOUNDS(TPC) \
     __launch_bounds__(Tiled<TPC>::kThreads, TPC == 1 ? SSF_MIN_BLOCKS : SSF_MIN_BLOCKS * 128 / Tiled<TPC>::kThreads)
-#define SSF_TILED_ONE(T, TB, TPC, FORM, NAME)                                                                \
+#define SSF_TILED_PASS(T, TB, TPC, FORM, NAME, PASS, LOCAL)                                                  \
     extern "C" __global__ void SSF_TILED_BOUNDS(TPC)                                                         \
-        selective_scan_fwd_tiled_##T##_##TB##_tpc##TPC##_##NAME(const SelectiveScanFwdParams p) {            \
-        selective_scan_fwd_tiled<T, TB, TPC, BcForm::FORM, false>(p);                                        \
-    }                                                                                                        \
-    extern "C" __global__ void SSF_TILED_BOUNDS(TPC)                                                         \
-        selective_scan_fwd_tiled_local_##T##_##TB##_tpc##TPC##_##NAME(const SelectiveScanFwdParams p) {      \
-        selective_scan_fwd_tiled<T, TB, TPC, BcForm::FORM, true>(p);                                         \
+        selective_scan_fwd_##PASS##_##T##_##TB##_tpc##TPC##_##NAME(const SelectiveScanFwdParams p) {         \
+        selective_scan_fwd_tiled<T, TB, TPC, BcForm::FORM, LOCAL>(p);                                        \
     }
-#define SSF_TILED_TPC(T, TB, TPC)                                                                            \
-    SSF_TILED_ONE(T, TB, TPC, kVarying, varying)                                                             \
-    SSF_TILED_ONE(T, TB, TPC, kVaryingVec, varying_vec) SSF_TILED_ONE(T, TB, TPC, kInvariant, invariant)
-#define SSF_TILED(T, TB) \
-    SSF_TILED_TPC(T, TB, 1) SSF_TILED_TPC(T, TB, 2) SSF_TILED_TPC(T, TB, 4) SSF_TILED_TPC(T, TB, 8) SSF_TILED_TPC(T, TB, 16) SSF_TILED_TPC(T, TB, 32)
+#define SSF_TILED_FORMS(T, TB, TPC, PASS, LOCAL)                                                             \
+    SSF_TILED_PASS(T, TB, TPC, kVarying, varying, PASS, LOCAL)                                               \
+    SSF_TILED_PASS(T, TB, TPC, kVaryingVec, varying_vec, PASS, LOCAL)                                        \
+    SSF_TILED_PASS(T, TB, TPC, kInvariant, invariant, PASS, LOCAL)
+#define SSF_TILED_TPC(T, TB, TPC) SSF_TILED_FORMS(T, TB, TPC, tiled, false) SSF_TILED_FORMS(T, TB, TPC, tiled_local, true)
+// The split's first pass has no one-thread-a-channel form: it was as fast or slower at every shape
+// measured (src/ops/selective_scan/cuda.rs).
+#define SSF_TILED(T, TB)                                                                                     \
+    SSF_TILED_FORMS(T, TB, 1, tiled, false)                                                                  \
+    SSF_TILED_TPC(T, TB, 2) SSF_TILED_TPC(T, TB, 4) SSF_TILED_TPC(T, TB, 8) SSF_TILED_TPC(T, TB, 16) SSF_TILED_TPC(T, TB, 32)
 
 SSF_TILED(f32, f32)
 SSF_TILED(bf16, bf16)

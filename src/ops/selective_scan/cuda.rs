@@ -34,7 +34,7 @@ fn tiled_shared_bytes(elem_bytes: i64, tpc: i64) -> u32 {
 }
 
 /// `XLA_SSM_FWD_KERNEL=lanes` forces the lanes kernel, `tiled1` the tiled one at one thread a channel
-/// wherever dstate <= 16 (tests use them to cover every kernel).
+/// (in the pass that writes the outputs) wherever dstate <= 16 (tests use them to cover every kernel).
 static FORCED_KERNEL: Lazy<Option<String>> = Lazy::new(|| std::env::var("XLA_SSM_FWD_KERNEL").ok());
 
 fn forced(kernel: &str) -> bool {
@@ -44,9 +44,13 @@ fn forced(kernel: &str) -> bool {
 /// Blocks from which the tiled kernel takes one thread of 16 states a channel at dstate <= 16: about
 /// four 64-thread blocks an SM of an H100, the two warps a scheduler its step loop needs. On an H100
 /// it ran 7% faster than two threads a channel at 8 x 4096 x 2048 (512 blocks: 3.9 an SM), 2-3% at
-/// 64 x 2048 x 512 and 16 x 5120 x 2048 ("bdl"), but 13% slower at 16 x 1536 x 2048 (384 blocks),
-/// and gained nothing overall where the sequence is split (BENCHMARKS.md, stop 38).
+/// 64 x 2048 x 512 and 16 x 5120 x 2048 ("bdl"), but 13% slower at 16 x 1536 x 2048 (384 blocks)
+/// (BENCHMARKS.md, stop 38).
 const ONE_THREAD_MIN_BLOCKS: i64 = 7 * FWD_SPLIT_TARGET_BLOCKS / 8;
+/// Steps a chunk of a sequence split from which its second pass takes one thread a channel: 2-6%
+/// faster from 384 steps on (1 x 4096 x 16384 in chunks of 2048: 456 against 486 us), 7% slower at
+/// 96 (1 x 1536 x 2048; H100, BENCHMARKS.md, stop 39).
+const ONE_THREAD_MIN_CHUNK: i64 = 384;
 
 /// Lanes per channel: enough lanes of 8 states to cover dstate, a power of two up to 32.
 fn lanes_per_channel(dstate: i64) -> i64 {
@@ -109,27 +113,34 @@ pub(super) fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
         // The records are f32: a host's misaligned scratch is not used rather than faulted on.
         let usable = !p.workspace.is_null() && (p.workspace as usize).is_multiple_of(4);
         let split = n_chunks > 1 && needed > 0 && fwd.workspace_bytes >= needed && usable;
-        let mut tpc = tiled_threads_per_channel(p.dstate);
+        let tpc = tiled_threads_per_channel(p.dstate);
+        // Tiled<1> has as many channels a block as Tiled<2>: the same tiles at either.
         let tiles = (p.dim + tiled_channels(tpc) - 1) / tiled_channels(tpc);
-        if p.dstate <= 16 && (forced("tiled1") || (!split && tiles * p.batch >= ONE_THREAD_MIN_BLOCKS)) {
-            tpc = 1; // as many channels a block (Tiled<1>::kChannels), so the same tiles
-        }
-        let form = tiled_bc_form(fwd, tpc);
-        let channels = tiled_channels(tpc);
-        // Mirror of `Tiled<TPC>::kThreads`.
-        let config = |chunks: i64| LaunchConfig {
-            grid: (tiles as u64, p.batch as u64, chunks as u64),
-            block: (channels * tpc) as u32,
-            shared_bytes: tiled_shared_bytes(fwd.dtype.size_bytes(), tpc),
+        let chunks = if split { n_chunks } else { 1 };
+        // The pass that writes the outputs at one thread a channel (the split's first pass never:
+        // it was as fast or slower at every shape measured).
+        let one_thread = p.dstate <= 16
+            && (forced("tiled1")
+                || (tiles * p.batch * chunks >= ONE_THREAD_MIN_BLOCKS
+                    && (!split || chunk_len >= ONE_THREAD_MIN_CHUNK)));
+        let launch_pass = |local: bool, pass_tpc: i64, grid_chunks: i64, params: &FwdParams| {
+            let pass = if local { "tiled_local" } else { "tiled" };
+            let form = tiled_bc_form(fwd, pass_tpc);
+            let kernel = format!("selective_scan_fwd_{pass}_{types}_tpc{pass_tpc}_{form}");
+            let config = LaunchConfig {
+                grid: (tiles as u64, p.batch as u64, grid_chunks as u64),
+                block: (tiled_channels(pass_tpc) * pass_tpc) as u32, // Tiled<TPC>::kThreads
+                shared_bytes: tiled_shared_bytes(fwd.dtype.size_bytes(), pass_tpc),
+            };
+            launch(stream, "selective_scan_fwd", &kernel, config, params)
         };
-        let kernel = format!("selective_scan_fwd_tiled_{types}_tpc{tpc}_{form}");
+        let final_tpc = if one_thread { 1 } else { tpc };
         if split {
             let split = FwdParams { chunk_len, n_chunks, ..*p };
-            let local = format!("selective_scan_fwd_tiled_local_{types}_tpc{tpc}_{form}");
-            launch(stream, "selective_scan_fwd", &local, config(n_chunks - 1), &split)?;
-            return launch(stream, "selective_scan_fwd", &kernel, config(n_chunks), &split);
+            launch_pass(true, tpc, n_chunks - 1, &split)?;
+            return launch_pass(false, final_tpc, n_chunks, &split);
         }
-        launch(stream, "selective_scan_fwd", &kernel, config(1), p)
+        launch_pass(false, final_tpc, 1, p)
     } else {
         let ns = lanes_per_channel(p.dstate);
         let kernel = format!("selective_scan_fwd_lanes_{types}_ns{ns}");
