@@ -632,9 +632,9 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
 
 // selective_scan_fwd_tiled[_local]_<T>_<TB>_tpc<TPC>_<varying|varying_vec|invariant> (_local from
 // TPC 2 on), launched with Tiled<TPC>::kThreads threads, Tile<T, TPC>::kSharedBytes of dynamic shared
-// memory and a (tiles, batch, chunks) grid. Registers are capped for SSF_MIN_BLOCKS blocks of 128 threads per SM from TPC
-// 2 on (128 a thread); at TPC 1 for SSF_MIN_BLOCKS blocks of 64 (its 16 states and their operands
-// take ~190-250).
+// memory and a (tiles, batch, chunks) grid. Registers are capped for SSF_MIN_BLOCKS blocks of 128
+// threads per SM from TPC 2 on (128 a thread); at TPC 1 for SSF_MIN_BLOCKS blocks of 64 (its 16
+// states and their operands take ~190-250).
 #define SSF_TILED_BOUNDS(TPC) \
     __launch_bounds__(Tiled<TPC>::kThreads, TPC == 1 ? SSF_MIN_BLOCKS : SSF_MIN_BLOCKS * 128 / Tiled<TPC>::kThreads)
 #define SSF_TILED_PASS(T, TB, TPC, FORM, NAME, PASS, LOCAL)                                                  \
