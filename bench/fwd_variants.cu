@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <algorithm>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CHECK(x)                                                                      \
@@ -93,7 +94,10 @@ int main(int argc, char** argv) {
 
     // Reference: the lanes kernel.
     SelectiveScanFwdParams pr = p;
-    pr.out = out_ref, pr.checkpoints = nullptr, pr.checkpoint_len = 0;
+    pr.out = out_ref;
+    // The reference's checkpoints, to check the tiled kernel's.
+    const int64_t n_ckpt = p.checkpoint_len ? B * D * ((L + p.checkpoint_len - 1) / p.checkpoint_len) * N : 0;
+    if (n_ckpt) CHECK(cudaMalloc(&pr.checkpoints, n_ckpt * 4));
     const int ns = N <= 8 ? 1 : N <= 16 ? 2 : N <= 32 ? 4 : N <= 64 ? 8 : N <= 128 ? 16 : 32;  // lanes_per_channel
     const int64_t lane_threads = B * D * ns;
     auto lanes = [&] {
@@ -164,14 +168,22 @@ int main(int argc, char** argv) {
     auto f = [](uint16_t x) { uint32_t w = uint32_t(x) << 16; float v; memcpy(&v, &w, 4); return v; };
     double num = 0, den = 0;
     for (int64_t i = 0; i < nx; ++i) num += (f(a[i]) - f(r[i])) * double(f(a[i]) - f(r[i])), den += f(r[i]) * double(f(r[i]));
+    double ck_num = 0, ck_den = 0;
+    if (n_ckpt) {
+        std::vector<float> ca(n_ckpt), cr(n_ckpt);
+        CHECK(cudaMemcpy(ca.data(), p.checkpoints, n_ckpt * 4, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(cr.data(), pr.checkpoints, n_ckpt * 4, cudaMemcpyDeviceToHost));
+        for (int64_t i = 0; i < n_ckpt; ++i) ck_num += (ca[i] - cr[i]) * double(ca[i] - cr[i]), ck_den += cr[i] * double(cr[i]);
+    }
     int dev;
     cudaDeviceProp prop;
     CHECK(cudaGetDevice(&dev));
     CHECK(cudaGetDeviceProperties(&prop, dev));
     // Special-function-unit floor: one ex2 per element at 16 per clock per SM, at 1.755 GHz.
     const double floor_us = double(nx) * N / (prop.multiProcessorCount * 16.0 * 1.755e9) * 1e6;
-    printf("chunks=%lld ckl=%lld poly=%d group=%d %s B=%lld D=%lld L=%lld N=%lld  tiled %.1f us (first pass %.1f)  lanes %.1f us  exp-floor %.1f us (%.0f%%)  relL2 %.2e\n",
+    printf("chunks=%lld ckl=%lld poly=%d group=%d %s B=%lld D=%lld L=%lld N=%lld  tiled %.1f us (first pass %.1f)  lanes %.1f us  exp-floor %.1f us (%.0f%%)  relL2 %.2e%s\n",
            (long long)ps.n_chunks, (long long)p.checkpoint_len, SSF_POLY_STATES, SSF_STEP_GROUP, bld ? "bld" : "bdl", (long long)B,
-           (long long)D, (long long)L, (long long)N, t_tiled, t_local, t_lanes, floor_us, 100.0 * floor_us / t_tiled, sqrt(num / den));
+           (long long)D, (long long)L, (long long)N, t_tiled, t_local, t_lanes, floor_us, 100.0 * floor_us / t_tiled, sqrt(num / den),
+           n_ckpt ? ("  checkpoints relL2 " + std::to_string(sqrt(ck_num / ck_den))).c_str() : "");
     return 0;
 }

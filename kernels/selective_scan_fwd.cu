@@ -436,6 +436,14 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
         checkpoint_step = first * p.checkpoint_len;
         checkpoint = p.checkpoints + ((b * p.dim + d) * checkpoint_count(p) + first) * p.dstate;
     }
+    const int64_t checkpoint_channel_stride = checkpoint_count(p) * p.dstate;  // floats
+    // 16-byte stores: whole rows (dstate N: 64-byte aligned in an aligned buffer).
+    const bool checkpoint_vectors = p.dstate == N && (reinterpret_cast<uintptr_t>(p.checkpoints) & 15) == 0;
+    // At one thread a channel, through the scalar rows (s_dtf, s_gate), which it does not use. (At
+    // TPC 2, through those rows between the last barrier and the scalar phase: the checkpoints cost
+    // about the same, and the kernel without them 4.5% more, at 16x1536x2048: BENCHMARKS.md.)
+    constexpr bool kCheckpointsViaShared = kInline;
+    static_assert(!kCheckpointsViaShared || kThreads * (K + 4) <= 2 * kChannels * PF, "a warp's rows fit");
 
     float dt_sum = 0.f;
     if (l_begin < l_end) fetch(l_begin);
@@ -443,7 +451,28 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
         const int steps = int(min(int64_t(S), l_end - l0));
         // Tiles start at multiples of S, which divides checkpoint_len (a multiple of 32).
         if (!kLocal && l0 == checkpoint_step) {
-            if (active && p.dstate == N) {  // 16-byte stores (the row is 64-byte aligned)
+            if (kCheckpointsViaShared && checkpoint_vectors) {
+                // A channel's checkpoint is one row of N floats, consecutive channels n_checkpoints
+                // rows apart: stored by each thread alone, a warp's 16-byte store touches up to 32
+                // rows, 16 bytes of each (at one thread a channel, 58 of the main shape's 522 us with
+                // checkpoints every 32 steps; 21 this way). The warp's states go through shared
+                // memory, and consecutive lanes store consecutive 16 bytes.
+                constexpr int kRow = K + 4, kQuads = K / 4;  // (padded: the 16-byte writes spread over the banks)
+                const int lane = threadIdx.x % 32;
+                float* warp_rows = s_dtf + (threadIdx.x / 32) * 32 * kRow;
+#pragma unroll
+                for (int q = 0; q < kQuads; ++q)
+                    reinterpret_cast<float4*>(warp_rows + lane * kRow)[q] = make_float4(h[4 * q], h[4 * q + 1], h[4 * q + 2], h[4 * q + 3]);
+                __syncwarp();
+                float* warp_checkpoint = checkpoint - (lane / TPC) * checkpoint_channel_stride;  // the warp's first channel
+#pragma unroll
+                for (int j = 0; j < kQuads; ++j) {
+                    const int from = (j * 32 + lane) / kQuads, q = (j * 32 + lane) % kQuads;  // lane `from`'s quad q
+                    if ((threadIdx.x - lane + from) / TPC < rows)
+                        reinterpret_cast<float4*>(warp_checkpoint + (from / TPC) * checkpoint_channel_stride + (from % TPC) * K)[q] =
+                            reinterpret_cast<const float4*>(warp_rows + from * kRow)[q];
+                }
+            } else if (active && checkpoint_vectors) {
 #pragma unroll
                 for (int q = 0; q < K / 4; ++q)
                     reinterpret_cast<float4*>(checkpoint + n0)[q] = make_float4(h[4 * q], h[4 * q + 1], h[4 * q + 2], h[4 * q + 3]);

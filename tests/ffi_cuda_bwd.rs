@@ -14,7 +14,8 @@ use cudarc::driver::result;
 use std::ffi::c_void;
 use xla_ssm::capi::{
     xla_ssm_last_error, xla_ssm_selective_scan_bwd_cuda_launch, xla_ssm_selective_scan_bwd_workspace_bytes,
-    xla_ssm_selective_scan_fwd_workspace_bytes, XlaSsmSelectiveScanBwdArgs, XLA_SSM_OK,
+    xla_ssm_selective_scan_fwd_cuda_launch, xla_ssm_selective_scan_fwd_workspace_bytes, XlaSsmSelectiveScanBwdArgs,
+    XlaSsmSelectiveScanFwdArgs, XLA_SSM_OK,
 };
 use xla_ssm::xla::handlers::{xla_ssm_selective_scan_bwd_cuda, xla_ssm_selective_scan_fwd_cuda};
 
@@ -274,7 +275,59 @@ fn matrix_forward_tiled1() {
     if !gpu() {
         return;
     }
-    rerun_with_env("XLA_SSM_FWD_KERNEL", "tiled1", &["roundtrip_matrix"]);
+    rerun_with_env("XLA_SSM_FWD_KERNEL", "tiled1", &["roundtrip_matrix", "misaligned_checkpoints"]);
+}
+
+/// Checkpoints one float past a 16-byte boundary (the C API takes any f32 address): the forward
+/// stores them element by element instead of as 16-byte rows, with the same bits.
+#[test]
+fn misaligned_checkpoints() {
+    if !gpu() {
+        return;
+    }
+    let stream = Stream::new();
+    for case in [
+        Case { dtype: Dt::BF16, bc_dtype: Dt::BF16, ..Case::new(2, 136, 100, 16).all_optional() },
+        Case { layout: Layout::Bld, ..Case::new(1, 64, 96, 32).all_optional() },
+    ] {
+        let bp = BwdProblem::random(&case, 32, true);
+        let want = gpu_checkpoints(&bp, false, stream.ptr());
+        let call = DeviceCall::new(bp.p.operands(), bp.poisoned_fwd_results());
+        let shifted = DevBuf::upload(&Dt::F32.nans(want.len() + 1));
+        let args = XlaSsmSelectiveScanFwdArgs {
+            batch: case.batch as i64,
+            dim: case.dim as i64,
+            seqlen: case.seqlen as i64,
+            dstate: case.dstate as i64,
+            groups: case.groups as i64,
+            dtype: case.dtype.capi(),
+            bc_dtype: case.bc_dtype.capi(),
+            layout: case.layout.capi(),
+            delta_softplus: case.softplus,
+            u: call.arg("u"),
+            delta: call.arg("delta"),
+            a: call.arg("A") as *const f32,
+            b: call.arg("B"),
+            c: call.arg("C"),
+            d: call.arg("D") as *const f32,
+            z: call.arg("z"),
+            delta_bias: call.arg("delta_bias") as *const f32,
+            initial_state: call.arg("initial_state") as *const f32,
+            out: call.ret("out").data(),
+            final_state: call.ret("final_state").data() as *mut f32,
+            workspace: std::ptr::null_mut(),
+            workspace_bytes: 0,
+            checkpoint_len: bp.checkpoint_len as i64,
+            // SAFETY: one float into a buffer of one float more than the checkpoints.
+            checkpoints: unsafe { shifted.data().cast::<f32>().add(1) },
+        };
+        // SAFETY: device buffers of the described sizes, on this context.
+        let status = unsafe { xla_ssm_selective_scan_fwd_cuda_launch(&args, stream.ptr()) };
+        assert_eq!(status, XLA_SSM_OK, "{case:?}");
+        synchronize(stream.ptr());
+        let got = Dt::F32.decode(&shifted.download()[4..]);
+        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "checkpoints differ; case {case:?}");
+    }
 }
 
 /// Training-sized shapes, against the CPU target (the f64 reference would take too long).
