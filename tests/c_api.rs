@@ -107,32 +107,8 @@ fn host_entry_point_all_dtypes() {
         let ptr = |call: &mut HostCall, name: &str| {
             call.args.iter_mut().find(|(o, _)| o.name == name).map_or(std::ptr::null_mut(), |(_, h)| h.ptr())
         };
-        let args = XlaSsmSelectiveScanFwdArgs {
-            batch: case.batch as i64,
-            dim: case.dim as i64,
-            seqlen: case.seqlen as i64,
-            dstate: case.dstate as i64,
-            groups: case.groups as i64,
-            dtype: dtype.capi(),
-            bc_dtype: bc_dtype.capi(),
-            layout: layout.capi(),
-            delta_softplus: case.softplus,
-            u: ptr(&mut call, "u"),
-            delta: ptr(&mut call, "delta"),
-            a: ptr(&mut call, "A") as *const f32,
-            b: ptr(&mut call, "B"),
-            c: ptr(&mut call, "C"),
-            d: ptr(&mut call, "D") as *const f32,
-            z: ptr(&mut call, "z"),
-            delta_bias: ptr(&mut call, "delta_bias") as *const f32,
-            initial_state: ptr(&mut call, "initial_state") as *const f32,
-            out: call.rets[0].1.ptr(),
-            workspace: std::ptr::null_mut(),
-            workspace_bytes: 0,
-            checkpoint_len: 0,
-            checkpoints: std::ptr::null_mut(),
-            final_state: call.rets[1].1.ptr() as *mut f32,
-        };
+        let (out, final_state) = (call.rets[0].1.ptr(), call.rets[1].1.ptr() as *mut f32);
+        let args = case.fwd_capi_args(|name| ptr(&mut call, name), out, final_state);
         // SAFETY: host buffers of the described sizes.
         let status = unsafe { xla_ssm_selective_scan_fwd_host(&args) };
         assert_eq!(status, XLA_SSM_OK, "{}", last_error());
@@ -228,31 +204,11 @@ fn host_backward_round_trip() {
         let ptr = |list: &mut Vec<(Operand, HostBuf)>, name: &str| {
             list.iter_mut().find(|(o, _)| o.name == name).map_or(std::ptr::null_mut(), |(_, h)| h.ptr())
         };
+        let (out, final_state) = (ptr(&mut fwd_rets, "out"), ptr(&mut fwd_rets, "final_state") as *mut f32);
         let fwd = XlaSsmSelectiveScanFwdArgs {
-            batch: case.batch as i64,
-            dim: case.dim as i64,
-            seqlen: case.seqlen as i64,
-            dstate: case.dstate as i64,
-            groups: case.groups as i64,
-            dtype: dtype.capi(),
-            bc_dtype: bc_dtype.capi(),
-            layout: layout.capi(),
-            delta_softplus: case.softplus,
-            u: ptr(&mut args, "u"),
-            delta: ptr(&mut args, "delta"),
-            a: ptr(&mut args, "A") as *const f32,
-            b: ptr(&mut args, "B"),
-            c: ptr(&mut args, "C"),
-            d: ptr(&mut args, "D") as *const f32,
-            z: ptr(&mut args, "z"),
-            delta_bias: ptr(&mut args, "delta_bias") as *const f32,
-            initial_state: ptr(&mut args, "initial_state") as *const f32,
-            out: ptr(&mut fwd_rets, "out"),
-            final_state: ptr(&mut fwd_rets, "final_state") as *mut f32,
-            workspace: std::ptr::null_mut(),
-            workspace_bytes: 0,
             checkpoint_len: 32,
             checkpoints: ptr(&mut fwd_rets, "checkpoints") as *mut f32,
+            ..case.fwd_capi_args(|name| ptr(&mut args, name), out, final_state)
         };
         // SAFETY: host buffers of the described sizes.
         assert_eq!(unsafe { xla_ssm_selective_scan_fwd_host(&fwd) }, XLA_SSM_OK, "{}", last_error());

@@ -60,35 +60,9 @@ impl DeviceCall {
 
     /// The C API's argument struct for this call.
     fn capi_args(&self, p: &Problem) -> xla_ssm::capi::XlaSsmSelectiveScanFwdArgs {
-        let c = &p.case;
         let find =
             |name: &str| self.args.iter().find(|(o, _)| o.name == name).map_or(std::ptr::null_mut(), |(_, d)| d.data());
-        xla_ssm::capi::XlaSsmSelectiveScanFwdArgs {
-            batch: c.batch as i64,
-            dim: c.dim as i64,
-            seqlen: c.seqlen as i64,
-            dstate: c.dstate as i64,
-            groups: c.groups as i64,
-            dtype: c.dtype.capi(),
-            bc_dtype: c.bc_dtype.capi(),
-            layout: c.layout.capi(),
-            delta_softplus: c.softplus,
-            u: find("u"),
-            delta: find("delta"),
-            a: find("A") as *const f32,
-            b: find("B"),
-            c: find("C"),
-            d: find("D") as *const f32,
-            z: find("z"),
-            delta_bias: find("delta_bias") as *const f32,
-            initial_state: find("initial_state") as *const f32,
-            out: self.rets[0].1.data(),
-            final_state: self.rets[1].1.data() as *mut f32,
-            workspace: std::ptr::null_mut(),
-            workspace_bytes: 0,
-            checkpoint_len: 0,
-            checkpoints: std::ptr::null_mut(),
-        }
+        p.case.fwd_capi_args(find, self.rets[0].1.data(), self.rets[1].1.data() as *mut f32)
     }
 }
 

@@ -295,31 +295,14 @@ fn misaligned_checkpoints() {
         let call = DeviceCall::new(bp.p.operands(), bp.poisoned_fwd_results());
         let shifted = DevBuf::upload(&Dt::F32.nans(want.len() + 1));
         let args = XlaSsmSelectiveScanFwdArgs {
-            batch: case.batch as i64,
-            dim: case.dim as i64,
-            seqlen: case.seqlen as i64,
-            dstate: case.dstate as i64,
-            groups: case.groups as i64,
-            dtype: case.dtype.capi(),
-            bc_dtype: case.bc_dtype.capi(),
-            layout: case.layout.capi(),
-            delta_softplus: case.softplus,
-            u: call.arg("u"),
-            delta: call.arg("delta"),
-            a: call.arg("A") as *const f32,
-            b: call.arg("B"),
-            c: call.arg("C"),
-            d: call.arg("D") as *const f32,
-            z: call.arg("z"),
-            delta_bias: call.arg("delta_bias") as *const f32,
-            initial_state: call.arg("initial_state") as *const f32,
-            out: call.ret("out").data(),
-            final_state: call.ret("final_state").data() as *mut f32,
-            workspace: std::ptr::null_mut(),
-            workspace_bytes: 0,
             checkpoint_len: bp.checkpoint_len as i64,
             // SAFETY: one float into a buffer of one float more than the checkpoints.
             checkpoints: unsafe { shifted.data().cast::<f32>().add(1) },
+            ..case.fwd_capi_args(
+                |name| call.arg(name),
+                call.ret("out").data(),
+                call.ret("final_state").data() as *mut f32,
+            )
         };
         // SAFETY: device buffers of the described sizes, on this context.
         let status = unsafe { xla_ssm_selective_scan_fwd_cuda_launch(&args, stream.ptr()) };

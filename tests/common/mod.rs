@@ -308,6 +308,43 @@ pub struct Case {
 }
 
 impl Case {
+    /// The C API's forward arguments for this case: each operand's address by name through
+    /// `operand` (null for one the case lacks), the results `out` and `final_state`; no workspace
+    /// and no checkpoints.
+    pub fn fwd_capi_args(
+        &self,
+        mut operand: impl FnMut(&str) -> *mut c_void,
+        out: *mut c_void,
+        final_state: *mut f32,
+    ) -> xla_ssm::capi::XlaSsmSelectiveScanFwdArgs {
+        xla_ssm::capi::XlaSsmSelectiveScanFwdArgs {
+            batch: self.batch as i64,
+            dim: self.dim as i64,
+            seqlen: self.seqlen as i64,
+            dstate: self.dstate as i64,
+            groups: self.groups as i64,
+            dtype: self.dtype.capi(),
+            bc_dtype: self.bc_dtype.capi(),
+            layout: self.layout.capi(),
+            delta_softplus: self.softplus,
+            u: operand("u"),
+            delta: operand("delta"),
+            a: operand("A") as *const f32,
+            b: operand("B"),
+            c: operand("C"),
+            d: operand("D") as *const f32,
+            z: operand("z"),
+            delta_bias: operand("delta_bias") as *const f32,
+            initial_state: operand("initial_state") as *const f32,
+            out,
+            final_state,
+            workspace: std::ptr::null_mut(),
+            workspace_bytes: 0,
+            checkpoint_len: 0,
+            checkpoints: std::ptr::null_mut(),
+        }
+    }
+
     /// f32, one group, layout "bdl", no optional operands, softplus on.
     pub fn new(batch: usize, dim: usize, seqlen: usize, dstate: usize) -> Case {
         Case {
