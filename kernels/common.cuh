@@ -93,23 +93,29 @@ __device__ __forceinline__ float ex2_ftz(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-// softplus(x) = ln(1 + e^x) and silu(x) = x / (1 + e^-x) on the special-function units, in a few
-// instructions (log1pf is ~30, and the scans' per-step scalars were a quarter of their issue slots).
-// With e = e^x: below e = 1/16 a series (error < e^6 / 7 relative, so tiny dt ~ 1e-4 stays exact to
-// f32, where lg2(1 + e) would round e's low digits away; tests: tiny_dt_f32), above it lg2(1 + e) ln 2
-// (lg2.approx's error over a result >= 0.087: relative error < 3e-6).
-__device__ __forceinline__ float softplus_fast(float x) {
-    const float e = ex2_ftz(x * kLog2e);
-    float series = fmaf(e, -1.f / 6.f, 1.f / 5.f);
-    series = fmaf(e, series, -1.f / 4.f);
-    series = fmaf(e, series, 1.f / 3.f);
-    series = fmaf(e, series, -1.f / 2.f);
-    series = fmaf(e, series, 1.f);
-    float lg;
-    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(lg) : "f"(1.f + e));
-    return x > 20.f ? x : e < 0.0625f ? e * series : lg * 0.6931471805599453f;
+// softplus(x) = ln(1 + e^x) and silu(x) = x / (1 + e^-x) in a few instructions (log1pf is ~30, and
+// the scans' per-step scalars were a quarter of their issue slots).
+// softplus(x) = max(x, 0) + ln(1 + t), t = e^-|x| in (0, 1], and ln(1 + t) = t P(t) with P a degree-7
+// fit on the FMA pipes (relative error < 3.1e-7 in f32 over [0, 1]; the CPU target, cpu.rs, has the
+// same form with degree 8): one special-function op, where the forward's special-function pipe is
+// its busiest (the form before, lg2(1 + e^x) with a series below e^x = 1/16, took two and erred up
+// to 3e-6: BENCHMARKS.md, stop 41). Exact to f32 for tiny dt (x << 0: t P(t) ~ t; tests:
+// tiny_dt_f32) and for large x (x + tiny).
+// (silu with the reciprocal on the FMA pipes too, by two Newton steps, made the forward slower.)
+__device__ __forceinline__ float exp_neg_abs(float x) { return ex2_ftz(-fabsf(x) * kLog2e); }
+__device__ __forceinline__ float softplus_from_t(float x, float t) {
+    float p = -8.538360707461834e-3f;
+    p = fmaf(p, t, 4.408564046025276e-2f);
+    p = fmaf(p, t, -1.0767453163862228e-1f);
+    p = fmaf(p, t, 1.7744603753089905e-1f);
+    p = fmaf(p, t, -2.4495168030261993e-1f);
+    p = fmaf(p, t, 3.3275410532951355e-1f);
+    p = fmaf(p, t, -4.9997398257255554e-1f);
+    p = fmaf(p, t, 9.999998211860657e-1f);
+    return fmaxf(x, 0.f) + t * p;
 }
-__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.f + ex2_ftz(-x * 1.4426950408889634f)); }
+__device__ __forceinline__ float softplus_fast(float x) { return softplus_from_t(x, exp_neg_abs(x)); }
+__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.f + ex2_ftz(-x * kLog2e)); }
 
 // 2^x on the FMA pipes (Cody-Waite split + degree-6 Taylor, relative error < 2e-7 for x in
 // [-126, 126]), to take part of the exponentials off the special-function units.

@@ -77,6 +77,8 @@ __device__ __forceinline__ float rcp_approx(float x) {
 // 1 / (1 + e^-x) on the special-function units (__frcp_rn's exact reciprocal took ~10 instructions
 // and a branch, in a per-element loop); 0 and 1 at the ends.
 __device__ __forceinline__ float sigmoid_fast(float x) { return rcp_approx(1.f + ex2_ftz(-x * kLog2e)); }
+// sigmoid(x) = (x >= 0 ? 1 : t) / (1 + t) from t = e^-|x| (exp_neg_abs), which softplus(x) has computed.
+__device__ __forceinline__ float sigmoid_from_t(float x, float t) { return (x >= 0.f ? 1.f : t) * rcp_approx(1.f + t); }
 
 // A [R rows][S steps] tile of a global array moved in 16-byte vectors of E elements along its
 // contiguous axis: vector v covers steps t..t+E of row r (steps contiguous) or rows r..r+E at step t.
@@ -234,12 +236,13 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
     // the shape allows it (vec_x, vec_bc), else single elements.
     auto stage_element = [&](int r, int t, bool in, float u, float x, float dout, float zv, bool forward_only) {
         // Outside the tile dt = 0 (decay 1, no input): the recompute may run past its end.
-        const float dt = !in ? 0.f : softplus_on ? softplus_fast(x) : x;
+        const float e = softplus_on ? exp_neg_abs(x) : 0.f;  // softplus' derivative uses it too
+        const float dt = !in ? 0.f : softplus_on ? softplus_from_t(x, e) : x;
         s_u[r * P + t] = u;
         s_dt[r * P + t] = dt;
         if (!forward_only) {
             const float s = sigmoid_fast(zv);
-            s_sig[r * P + t] = softplus_on ? sigmoid_fast(x) : 1.f;
+            s_sig[r * P + t] = softplus_on ? sigmoid_from_t(x, e) : 1.f;
             s_dy[r * P + t] = z_g ? dout * zv * s : dout;
             s_dzf[r * P + t] = z_g ? dout * s * (1.f + zv * (1.f - s)) : 0.f;
         }

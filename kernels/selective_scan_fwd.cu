@@ -548,9 +548,11 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
         // (which divides S), the last one whole. The reads go through pointers advanced a group at a
         // time, so that every read of a group is a base register plus a constant (addresses computed
         // from the step index cost ~6 integer instructions a step). With one thread a channel
-        // (kInline), dt and the gate are computed here from delta and z, instantiated per option.
+        // (kInline), dt and the gate are computed here from delta and z, instantiated per option: a
+        // step ahead of their use, so that softplus' latency chain, which the step's exponentials
+        // wait on, overlaps the step before (2-4% faster than computing them in the step).
         struct StepIn {
-            float u, dt, z;  // kInline: dt holds delta
+            float u, dt, gate;  // gate: kInline only
             float4 b[K / 4], c[K / 4];
         };
         auto scan_tile = [&](auto softplus_on, auto z_on) {
@@ -564,8 +566,10 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
                 StepIn in;
                 in.u = to_f32(u_at[i]);
                 if constexpr (kInline) {
-                    in.dt = to_f32(u_at[i + kChannels * P]);  // s_delta
-                    in.z = kHasZ ? to_f32(u_at[i + 2 * kChannels * P]) : 0.f;  // s_z
+                    const float delta = to_f32(u_at[i + kChannels * P]);                // s_delta
+                    const float z = kHasZ ? to_f32(u_at[i + 2 * kChannels * P]) : 0.f;  // s_z
+                    in.dt = kSoftplus ? softplus_fast(delta + bias) : delta + bias;
+                    in.gate = kHasZ ? silu_fast(z) : 1.f;
                 } else {
                     in.dt = dt_at[i];
                 }
@@ -590,9 +594,8 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
                     next = read_step(i + 1);
                     float dt = cur.dt;
                     if constexpr (kInline) {
-                        dt = kSoftplus ? softplus_fast(dt + bias) : dt + bias;
                         if (i >= left) dt = 0.f;  // past the end: decay 1, input 0
-                        if constexpr (!kLocal) gate[i] = kHasZ ? silu_fast(cur.z) : 1.f;
+                        if constexpr (!kLocal) gate[i] = cur.gate;
                     }
                     const float dtu = dt * cur.u;
                     if (kLocal) dt_sum += dt;
