@@ -101,7 +101,8 @@ __device__ __forceinline__ float ex2_ftz(float x) {
 // its busiest (the form before, lg2(1 + e^x) with a series below e^x = 1/16, took two and erred up
 // to 3e-6: BENCHMARKS.md, stop 41). Exact to f32 for tiny dt (x << 0: t P(t) ~ t; tests:
 // tiny_dt_f32) and for large x (x + tiny).
-// (silu with the reciprocal on the FMA pipes too, by two Newton steps, made the forward slower.)
+// (silu's reciprocal on the FMA pipes, by two Newton steps, or four gates' reciprocals from one,
+// made the forward slower: it issues about as many instructions as the special-function unit allows.)
 __device__ __forceinline__ float exp_neg_abs(float x) { return ex2_ftz(-fabsf(x) * kLog2e); }
 __device__ __forceinline__ float softplus_from_t(float x, float t) {
     float p = -8.538360707461834e-3f;
