@@ -679,8 +679,8 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     SSF_TILED_PASS(T, TB, TPC, kVaryingVec, varying_vec, PASS, LOCAL)                                        \
     SSF_TILED_PASS(T, TB, TPC, kInvariant, invariant, PASS, LOCAL)
 #define SSF_TILED_TPC(T, TB, TPC) SSF_TILED_FORMS(T, TB, TPC, tiled, false) SSF_TILED_FORMS(T, TB, TPC, tiled_local, true)
-// The split's first pass has no one-thread-a-channel form: it was as fast or slower at every shape
-// measured (src/ops/selective_scan/cuda.rs).
+// The split's first pass has no one-thread-a-channel form: it gained only on the longest chunks (2%
+// at 1x4096x16384) and cost up to 9% of the forward on others (BENCHMARKS.md, stop 41).
 #define SSF_TILED(T, TB)                                                                                     \
     SSF_TILED_FORMS(T, TB, 1, tiled, false)                                                                  \
     SSF_TILED_TPC(T, TB, 2) SSF_TILED_TPC(T, TB, 4) SSF_TILED_TPC(T, TB, 8) SSF_TILED_TPC(T, TB, 16) SSF_TILED_TPC(T, TB, 32)
