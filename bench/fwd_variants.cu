@@ -1,8 +1,8 @@
 // Times build variants of the forward kernels on one shape, without XLA: for tuning on the GPU
-// machine (bench/fwd_variants.sh compiles this file once per set of -D knobs). Checks every
-// variant's output against the `lanes` kernel.
+// machine (bench/fwd_variants.sh compiles this file once per set of -D knobs, for sm_90a).
+// Checks every variant's output against the `lanes` kernel.
 //   fwd_variants batch dim seqlen dstate layout(bdl|bld) [iters]
-#include "../kernels/selective_scan_fwd.cu"
+#include "fwd_ws.cuh"  // the warp-specialized experiment; it includes kernels/selective_scan_fwd.cu
 
 #include <cstdio>
 #include <algorithm>
@@ -117,6 +117,19 @@ int main(int argc, char** argv) {
         const dim3 grid(unsigned((D + channels - 1) / channels), unsigned(B), unsigned(chunks));
         kernel<<<grid, threads, smem>>>(ps);
     };
+    // SSF_WS=1 (blockIdx order) or 2 (SM-major order): the output pass on the warp-specialized
+    // experiment (bench/fwd_ws.cuh), bf16 at dstate <= 16 without a split; a persistent grid.
+    const int ws = getenv("SSF_WS") ? atoi(getenv("SSF_WS")) : 0;
+    if (ws && (N > 16 || ps.n_chunks != 1 || p.checkpoint_len)) return fprintf(stderr, "SSF_WS: dstate <= 16, no split, no checkpoints\n"), 2;
+    auto launch_ws = [&] {
+        auto kernel = ws == 2 ? selective_scan_fwd_ws_sm_order_bf16 : selective_scan_fwd_ws_bf16;
+        CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WsShape::kSharedBytes));
+        int sms;
+        CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        const int64_t units = (D + WsShape::kChannels - 1) / WsShape::kChannels * B;
+        const unsigned grid = unsigned(std::min<int64_t>(units, int64_t(WsShape::kBlocksPerSm) * sms));
+        kernel<<<grid, WsShape::kThreads, WsShape::kSharedBytes>>>(ps);
+    };
     // The B/C staging src/ops/selective_scan/cuda.rs picks (tiled_bc_form): 16-byte vectors, but
     // element by element for channel-last below 16 threads per channel; SSF_SCALAR_BC=1 forces that,
     // SSF_VEC_BC=1 vectors for channel-last too.
@@ -136,6 +149,7 @@ int main(int argc, char** argv) {
             else SSF_LAUNCH_TPC(tiled_local, 32, chunks);
         }
         if (local_only) return;
+        if (ws) return launch_ws();
         if (tpc == 1) SSF_LAUNCH_TPC(tiled, 1, ps.n_chunks);
         else if (tpc == 2) SSF_LAUNCH_TPC(tiled, 2, ps.n_chunks);
         else if (tpc == 4) SSF_LAUNCH_TPC(tiled, 4, ps.n_chunks);
@@ -181,8 +195,8 @@ int main(int argc, char** argv) {
     CHECK(cudaGetDeviceProperties(&prop, dev));
     // Special-function-unit floor: one ex2 per element at 16 per clock per SM, at 1.755 GHz.
     const double floor_us = double(nx) * N / (prop.multiProcessorCount * 16.0 * 1.755e9) * 1e6;
-    printf("chunks=%lld ckl=%lld poly=%d group=%d %s B=%lld D=%lld L=%lld N=%lld  tiled %.1f us (first pass %.1f)  lanes %.1f us  exp-floor %.1f us (%.0f%%)  relL2 %.2e%s\n",
-           (long long)ps.n_chunks, (long long)p.checkpoint_len, SSF_POLY_STATES, SSF_STEP_GROUP, bld ? "bld" : "bdl", (long long)B,
+    printf("ws=%d chunks=%lld ckl=%lld poly=%d group=%d %s B=%lld D=%lld L=%lld N=%lld  tiled %.1f us (first pass %.1f)  lanes %.1f us  exp-floor %.1f us (%.0f%%)  relL2 %.2e%s\n",
+           ws, (long long)ps.n_chunks, (long long)p.checkpoint_len, SSF_POLY_STATES, SSF_STEP_GROUP, bld ? "bld" : "bdl", (long long)B,
            (long long)D, (long long)L, (long long)N, t_tiled, t_local, t_lanes, floor_us, 100.0 * floor_us / t_tiled, sqrt(num / den),
            n_ckpt ? ("  checkpoints relL2 " + std::to_string(sqrt(ck_num / ck_den))).c_str() : "");
     return 0;

@@ -10,7 +10,7 @@ variants=("$@")
 [ ${#variants[@]} -eq 0 ] && variants=("-DSSF_POLY_STATES=4")
 i=0
 for v in "${variants[@]}"; do
-  nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 $v -o "$out/v$i" bench/fwd_variants.cu &
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a $v -o "$out/v$i" bench/fwd_variants.cu &
   i=$((i + 1))
 done
 wait
