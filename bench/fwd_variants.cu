@@ -118,9 +118,9 @@ int main(int argc, char** argv) {
         kernel<<<grid, threads, smem>>>(ps);
     };
     // SSF_WS=1 (blockIdx order) or 2 (SM-major order): the output pass on the warp-specialized
-    // experiment (bench/fwd_ws.cuh), bf16 at dstate <= 16 without a split; a persistent grid.
+    // experiment (bench/fwd_ws.cuh), bf16 at dstate 16 without a split; a persistent grid.
     const int ws = getenv("SSF_WS") ? atoi(getenv("SSF_WS")) : 0;
-    if (ws && (N > 16 || ps.n_chunks != 1 || p.checkpoint_len)) return fprintf(stderr, "SSF_WS: dstate <= 16, no split, no checkpoints\n"), 2;
+    if (ws && (N != 16 || ps.n_chunks != 1 || p.checkpoint_len)) return fprintf(stderr, "SSF_WS: dstate 16, no split, no checkpoints\n"), 2;
     auto launch_ws = [&] {
         auto kernel = ws == 2 ? selective_scan_fwd_ws_sm_order_bf16 : selective_scan_fwd_ws_bf16;
         CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WsShape::kSharedBytes));

@@ -1,6 +1,6 @@
 // An experiment, not used by the library (BENCHMARKS.md, stop 42): the forward at one thread a
-// channel (dstate <= 16), warp-specialized. Timed by bench/fwd_variants.cu (SSF_WS=1 or 2). Only
-// what that harness runs: bf16, time-varying B/C as 16-byte vectors, z and softplus on, no
+// channel, warp-specialized. Timed by bench/fwd_variants.cu (SSF_WS=1 or 2). Only what that
+// harness runs: bf16, dstate 16, time-varying B/C as 16-byte vectors, z and softplus on, no
 // checkpoints, no sequence split.
 //
 // A block is two warpgroups. The first scans: 128 channels, a thread and 16 states each, the step
