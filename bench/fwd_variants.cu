@@ -121,14 +121,26 @@ int main(int argc, char** argv) {
     // experiment (bench/fwd_ws.cuh), bf16 at dstate 16 without a split; a persistent grid.
     const int ws = getenv("SSF_WS") ? atoi(getenv("SSF_WS")) : 0;
     if (ws && (N != 16 || ps.n_chunks != 1 || p.checkpoint_len)) return fprintf(stderr, "SSF_WS: dstate 16, no split, no checkpoints\n"), 2;
-    auto launch_ws = [&] {
-        auto kernel = ws == 2 ? selective_scan_fwd_ws_sm_order_bf16 : selective_scan_fwd_ws_bf16;
-        CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WsShape::kSharedBytes));
+    // SSF_WS_SCALARS=0..3: where dt and the gate are computed (fwd_ws.cuh, kScalars).
+    const int ws_scalars = getenv("SSF_WS_SCALARS") ? atoi(getenv("SSF_WS_SCALARS")) : 0;
+    if (ws_scalars < 0 || ws_scalars > 3) return fprintf(stderr, "SSF_WS_SCALARS: 0..3\n"), 2;
+    auto launch_ws_with = [&](auto kernel, auto shape) {
+        using Sh = decltype(shape);
+        CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Sh::kSharedBytes));
         int sms;
         CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-        const int64_t units = (D + WsShape::kChannels - 1) / WsShape::kChannels * B;
-        const unsigned grid = unsigned(std::min<int64_t>(units, int64_t(WsShape::kBlocksPerSm) * sms));
-        kernel<<<grid, WsShape::kThreads, WsShape::kSharedBytes>>>(ps);
+        const int64_t units = (D + Sh::kChannels - 1) / Sh::kChannels * B;
+        const unsigned grid = unsigned(std::min<int64_t>(units, int64_t(Sh::kBlocksPerSm) * sms));
+        kernel<<<grid, Sh::kThreads, Sh::kSharedBytes>>>(ps);
+    };
+#define SSF_WS_LAUNCH(SCALARS)                                                                                   \
+    launch_ws_with(ws == 2 ? selective_scan_fwd_ws_sm_order_scalars##SCALARS##_bf16 : selective_scan_fwd_ws_scalars##SCALARS##_bf16, \
+                   WsShape<SCALARS>{})
+    auto launch_ws = [&] {
+        if (ws_scalars == 0) SSF_WS_LAUNCH(0);
+        else if (ws_scalars == 1) SSF_WS_LAUNCH(1);
+        else if (ws_scalars == 2) SSF_WS_LAUNCH(2);
+        else SSF_WS_LAUNCH(3);
     };
     // The B/C staging src/ops/selective_scan/cuda.rs picks (tiled_bc_form): 16-byte vectors, but
     // element by element for channel-last below 16 threads per channel; SSF_SCALAR_BC=1 forces that,
@@ -195,8 +207,8 @@ int main(int argc, char** argv) {
     CHECK(cudaGetDeviceProperties(&prop, dev));
     // Special-function-unit floor: one ex2 per element at 16 per clock per SM, at 1.755 GHz.
     const double floor_us = double(nx) * N / (prop.multiProcessorCount * 16.0 * 1.755e9) * 1e6;
-    printf("ws=%d chunks=%lld ckl=%lld poly=%d group=%d %s B=%lld D=%lld L=%lld N=%lld  tiled %.1f us (first pass %.1f)  lanes %.1f us  exp-floor %.1f us (%.0f%%)  relL2 %.2e%s\n",
-           ws, (long long)ps.n_chunks, (long long)p.checkpoint_len, SSF_POLY_STATES, SSF_STEP_GROUP, bld ? "bld" : "bdl", (long long)B,
+    printf("ws=%d/%d chunks=%lld ckl=%lld poly=%d group=%d %s B=%lld D=%lld L=%lld N=%lld  tiled %.1f us (first pass %.1f)  lanes %.1f us  exp-floor %.1f us (%.0f%%)  relL2 %.2e%s\n",
+           ws, ws_scalars, (long long)ps.n_chunks, (long long)p.checkpoint_len, SSF_POLY_STATES, SSF_STEP_GROUP, bld ? "bld" : "bdl", (long long)B,
            (long long)D, (long long)L, (long long)N, t_tiled, t_local, t_lanes, floor_us, 100.0 * floor_us / t_tiled, sqrt(num / den),
            n_ckpt ? ("  checkpoints relL2 " + std::to_string(sqrt(ck_num / ck_den))).c_str() : "");
     return 0;

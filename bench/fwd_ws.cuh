@@ -1,5 +1,6 @@
-// An experiment, not used by the library (BENCHMARKS.md, stop 42): the forward at one thread a
-// channel, warp-specialized. Timed by bench/fwd_variants.cu (SSF_WS=1 or 2). Only what that
+// An experiment, not used by the library (BENCHMARKS.md, stops 42 and 43): the forward at one
+// thread a channel, warp-specialized. Timed by bench/fwd_variants.cu (SSF_WS=1 or 2, and
+// SSF_WS_SCALARS for kScalars below). Only what that
 // harness runs: bf16, dstate 16, time-varying B/C as 16-byte vectors, z and softplus on, no
 // checkpoints, no sequence split.
 //
@@ -21,25 +22,55 @@
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 
-struct WsShape {
+// kScalars: where dt = softplus(delta + bias) and the gate silu(z) are computed. 0: by the scanning
+// threads, in the step loop (the library's way). Otherwise by the movers as they unpack a tile, into
+// f32 rows the scanners read: 1 with the special-function forms (softplus_fast, silu_fast), 2 with
+// both on the FMA pipes (exp2_fma, a Newton reciprocal), 3 softplus on the special-function unit and
+// silu on the FMA pipes.
+template <int kScalars> struct WsShape {
     static constexpr int kChannels = 128, kMovers = 128, kThreads = kChannels + kMovers;
     static constexpr int kBlocksPerSm = 2;
     static constexpr int S = 32, P = 34, N = 16, E = 8;  // bf16: steps a tile, row pitch, states, a vector
-    // A stage: B, C [S][N] f32, then u (outputs back), delta, z [channels][P] bf16.
-    static constexpr int kStageBytes = 2 * S * N * 4 + 3 * kChannels * P * 2;
+    static constexpr int PF = 33;                        // pitch of the f32 dt and gate rows
+    // A stage: B, C [S][N] f32, then u (outputs back) [channels][P] bf16, then delta, z [channels][P]
+    // bf16 (kScalars 0) or dt, gate [channels][PF] f32.
+    static constexpr int kScalarBytes = kScalars ? 2 * kChannels * PF * 4 : 2 * kChannels * P * 2;
+    static constexpr int kStageBytes = 2 * S * N * 4 + kChannels * P * 2 + kScalarBytes;
     static constexpr int kSharedBytes = 2 * kStageBytes;
 };
 
+// 1 / d for d in [1, 2] on the FMA pipes: a linear start (relative error <= 1/17), three Newton steps.
+__device__ __forceinline__ float rcp_1_2_fma(float d) {
+    float r = fmaf(-8.f / 17.f, d, 24.f / 17.f);
+#pragma unroll
+    for (int i = 0; i < 3; ++i) r = fmaf(r, fmaf(-d, r, 1.f), r);
+    return r;
+}
+template <int kScalars> __device__ __forceinline__ float ws_softplus(float x) {
+    if constexpr (kScalars == 2) return softplus_from_t(x, exp2_fma(-fabsf(x) * kLog2e));
+    else return softplus_fast(x);
+}
+template <int kScalars> __device__ __forceinline__ float ws_silu(float x) {
+    if constexpr (kScalars == 1) return silu_fast(x);
+    else {
+        const float t = exp2_fma(-fabsf(x) * kLog2e);  // x sigmoid(x), sigmoid from t = e^-|x|
+        return x * (x >= 0.f ? 1.f : t) * rcp_1_2_fma(1.f + t);
+    }
+}
+
 __device__ unsigned int g_ws_sm_rank[1024];
 
-template <bool kSmOrder> __device__ __forceinline__ void selective_scan_fwd_ws(const SelectiveScanFwdParams& p) {
+template <bool kSmOrder, int kScalars> __device__ __forceinline__ void selective_scan_fwd_ws(const SelectiveScanFwdParams& p) {
     using T = bf16;
-    using Sh = WsShape;
+    using Sh = WsShape<kScalars>;
     constexpr int C = Sh::kChannels, S = Sh::S, P = Sh::P, N = Sh::N, E = Sh::E, K = 16, G = 4, kStages = 2;
     constexpr int kThreads = Sh::kThreads, PT = Sh::kMovers;
     extern __shared__ __align__(16) unsigned char shared[];
     auto stage_B = [&](int s) { return reinterpret_cast<float*>(shared + s * Sh::kStageBytes); };
     auto stage_u = [&](int s) { return reinterpret_cast<T*>(shared + s * Sh::kStageBytes + 2 * S * N * 4); };
+    // kScalars > 0: dt rows, then gate rows, after u.
+    auto stage_dt = [&](int s) { return reinterpret_cast<float*>(stage_u(s) + C * P); };
+    constexpr int PF = Sh::PF;
 
     const int tid = threadIdx.x;
     const int64_t L = p.seqlen;
@@ -106,8 +137,11 @@ template <bool kSmOrder> __device__ __forceinline__ void selective_scan_fwd_ws(c
         };
         uint4 vx[3][kPerLane], vB[kBcPerLane], vC[kBcPerLane];
         Cursor in_cur{0, vb, unit_at(vb)}, out_cur = in_cur;
+        int64_t loaded_d0 = 0;  // the unit of the tile in the registers (for delta_bias)
+        int loaded_rows = 0;
         auto load = [&]() {  // tile in_cur's loads into registers, zeros outside the tensors
             const Unit& it = in_cur.it;
+            loaded_d0 = it.d0, loaded_rows = it.rows;
             const int64_t l0 = int64_t(in_cur.k) * S;
             const int steps = int(min(int64_t(S), L - l0));
             const T* xs[3] = {u, delta, z};
@@ -141,6 +175,26 @@ template <bool kSmOrder> __device__ __forceinline__ void selective_scan_fwd_ws(c
                     int r, t;
                     where(j * PT + lane, r, t);
                     T* dst = su + x * C * P;
+                    if (kScalars && x > 0) {  // dt or the gate, as f32
+                        float* df = stage_dt(s) + (x - 1) * C * PF;
+                        const T* e = reinterpret_cast<const T*>(&vx[x][j]);
+                        const float* bias = p.delta_bias ? p.delta_bias + loaded_d0 : nullptr;
+                        const float row_bias = time_contiguous && bias && r < loaded_rows ? __ldg(bias + r) : 0.f;
+#pragma unroll
+                        for (int i = 0; i < E; ++i) {
+                            const int ri = time_contiguous ? r : r + i, ti = time_contiguous ? t + i : t;
+                            const float v = to_f32(e[i]);
+                            float f;
+                            if (x == 1) {
+                                const float b = time_contiguous ? row_bias : bias && ri < loaded_rows ? __ldg(bias + ri) : 0.f;
+                                f = ws_softplus<kScalars>(v + b);
+                            } else {
+                                f = ws_silu<kScalars>(v);
+                            }
+                            df[ri * PF + ti] = f;
+                        }
+                        continue;
+                    }
                     if (time_contiguous) {
                         uint32_t* w = reinterpret_cast<uint32_t*>(dst + r * P + t);
                         w[0] = vx[x][j].x, w[1] = vx[x][j].y, w[2] = vx[x][j].z, w[3] = vx[x][j].w;
@@ -233,12 +287,18 @@ template <bool kSmOrder> __device__ __forceinline__ void selective_scan_fwd_ws(c
         }
         named_sync(1 + s, kThreads);  // "full"
         T* u_at = stage_u(s) + c * P;
+        const float* dt_at = stage_dt(s) + c * PF;
         const float* bc_at = stage_B(s);
         auto read_step = [&](int i) {  // step i of the group (one past the tile stays in the stage)
             StepIn in;
             in.u = to_f32(u_at[i]);
-            in.dt = softplus_fast(to_f32(u_at[i + C * P]) + bias);
-            in.gate = silu_fast(to_f32(u_at[i + 2 * C * P]));
+            if constexpr (kScalars) {
+                in.dt = dt_at[i];
+                in.gate = dt_at[i + C * PF];
+            } else {
+                in.dt = softplus_fast(to_f32(u_at[i + C * P]) + bias);
+                in.gate = silu_fast(to_f32(u_at[i + 2 * C * P]));
+            }
 #pragma unroll
             for (int q = 0; q < K / 4; ++q) {
                 in.b[q] = *reinterpret_cast<const float4*>(bc_at + i * N + 4 * q);
@@ -269,7 +329,7 @@ template <bool kSmOrder> __device__ __forceinline__ void selective_scan_fwd_ws(c
             }
 #pragma unroll
             for (int e = 0; e < G; ++e) u_at[e] = from_f32<T>(fmaf(skip, to_f32(u_at[e]), partial[e]) * gate[e]);
-            u_at += G, bc_at += G * N;
+            u_at += G, dt_at += G, bc_at += G * N;
         }
         named_arrive(1 + kStages + s, kThreads);  // "empty"
         if (k == n_tiles - 1 && active)
@@ -280,11 +340,16 @@ template <bool kSmOrder> __device__ __forceinline__ void selective_scan_fwd_ws(c
     if (kSmOrder && tid == 0 && units > int(gridDim.x)) atomicSub(&g_ws_sm_rank[sm_id], 1u);
 }
 
-extern "C" __global__ void __launch_bounds__(WsShape::kThreads, WsShape::kBlocksPerSm)
-    selective_scan_fwd_ws_bf16(const SelectiveScanFwdParams p) {
-    selective_scan_fwd_ws<false>(p);
-}
-extern "C" __global__ void __launch_bounds__(WsShape::kThreads, WsShape::kBlocksPerSm)
-    selective_scan_fwd_ws_sm_order_bf16(const SelectiveScanFwdParams p) {
-    selective_scan_fwd_ws<true>(p);
-}
+// selective_scan_fwd_ws[_sm_order]_scalars<kScalars>_bf16
+#define SSF_WS_KERNEL(NAME, ORDER, SCALARS)                                                       \
+    extern "C" __global__ void __launch_bounds__(WsShape<SCALARS>::kThreads, WsShape<SCALARS>::kBlocksPerSm) \
+        NAME(const SelectiveScanFwdParams p) {                                                    \
+        selective_scan_fwd_ws<ORDER, SCALARS>(p);                                                 \
+    }
+#define SSF_WS_KERNELS(SCALARS)                                                          \
+    SSF_WS_KERNEL(selective_scan_fwd_ws_scalars##SCALARS##_bf16, false, SCALARS)         \
+    SSF_WS_KERNEL(selective_scan_fwd_ws_sm_order_scalars##SCALARS##_bf16, true, SCALARS)
+SSF_WS_KERNELS(0)
+SSF_WS_KERNELS(1)
+SSF_WS_KERNELS(2)
+SSF_WS_KERNELS(3)
