@@ -99,10 +99,11 @@ __device__ __forceinline__ float ex2_ftz(float x) {
 // fit on the FMA pipes (relative error < 3.1e-7 in f32 over [0, 1]; the CPU target, cpu.rs, has the
 // same form with degree 8): one special-function op, where the forward's special-function pipe is
 // its busiest (the form before, lg2(1 + e^x) with a series below e^x = 1/16, took two and erred up
-// to 3e-6: BENCHMARKS.md, stop 41). Exact to f32 for tiny dt (x << 0: t P(t) ~ t; tests:
+// to 3e-6). Exact to f32 for tiny dt (x << 0: t P(t) ~ t; tests:
 // tiny_dt_f32) and for large x (x + tiny).
 // (silu's reciprocal on the FMA pipes, by two Newton steps, or four gates' reciprocals from one,
-// made the forward slower: it issues about as many instructions as the special-function unit allows.)
+// made the forward slower: it issues about as many instructions as the special-function unit allows;
+// BENCHMARKS.md, "What did not pay".)
 __device__ __forceinline__ float exp_neg_abs(float x) { return ex2_ftz(-fabsf(x) * kLog2e); }
 __device__ __forceinline__ float softplus_from_t(float x, float t) {
     float p = -8.538360707461834e-3f;
@@ -117,20 +118,3 @@ __device__ __forceinline__ float softplus_from_t(float x, float t) {
 }
 __device__ __forceinline__ float softplus_fast(float x) { return softplus_from_t(x, exp_neg_abs(x)); }
 __device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.f + ex2_ftz(-x * kLog2e)); }
-
-// 2^x on the FMA pipes (Cody-Waite split + degree-6 Taylor, relative error < 2e-7 for x in
-// [-126, 126]), to take part of the exponentials off the special-function units.
-__device__ __forceinline__ float exp2_fma(float x) {
-    x = fminf(fmaxf(x, -126.f), 126.f);
-    const float shifter = 12582912.f;  // 1.5 * 2^23: adding it rounds x to an integer in the low bits
-    const float j = x + shifter;
-    const float f = x - (j - shifter);  // in [-0.5, 0.5]
-    float p = 1.5403530393381606e-4f;   // ln2^6 / 720
-    p = fmaf(p, f, 1.3333558146428443e-3f);
-    p = fmaf(p, f, 9.6181291076284772e-3f);
-    p = fmaf(p, f, 5.5504108664821580e-2f);
-    p = fmaf(p, f, 2.4022650695910071e-1f);
-    p = fmaf(p, f, 6.9314718055994531e-1f);
-    p = fmaf(p, f, 1.f);
-    return __int_as_float(__float_as_int(p) + (__float_as_int(j) << 23));
-}

@@ -1,88 +1,18 @@
-// Shared by the decode-time kernels (selective_state_update.cu, causal_conv1d.cu): parameter structs
-// mirrored from src/ops/{state_update,conv1d}/mod.rs and vector access helpers.
+// Shared by the decode-time kernels (selective_state_update.cu, causal_conv1d.cu): their parameters
+// (StateUpdateParams, ConvParams, DecodeParams: kernels/params.h, generated from
+// src/ops/{state_update,conv1d,mamba_decode}/mod.rs) and vector access helpers.
 #pragma once
 #include "common.cuh"
+#include "params.h"
 
-// Mirror of `UpdateParams` (src/ops/state_update/mod.rs).
-struct StateUpdateParams {
-    void* state;  // (n_slots, dim, dstate) S, updated in place
-    const void* x;
-    const void* dt;
-    const float* A;
-    const void* B;
-    const void* C;
-    const float* D;
-    const void* z;
-    const float* dt_bias;
-    const int32_t* state_batch_indices;
-    void* out;
-    int64_t batch, dim, dstate, groups, dim_per_group, n_slots;
-    int32_t dt_softplus;
-    int32_t vectorized;  // 16-byte access to state, A, B, C is aligned and dstate is a multiple of a vector
-    int32_t lanes;       // threads per (batch, channel) row: a power of two up to 32
-    int32_t reserved;
-};
-static_assert(sizeof(StateUpdateParams) == 11 * 8 + 6 * 8 + 16, "mirror of UpdateParams");
-
-// Mirror of `ConvParams` (src/ops/conv1d/mod.rs).
-struct ConvParams {
-    const void* x;
-    const void* weight;
-    const void* bias;
-    const void* initial_states;
-    void* conv_state;
-    const int32_t* state_batch_indices;
-    void* out;  // bwd: dx
-    const void* dout;
-    void* dweight;
-    void* dbias;
-    void* dinitial_states;
-    int64_t batch, dim, seqlen, width, n_slots, x_stride_batch, x_stride_dim, x_stride_seq;
-    int32_t silu;
-    int32_t reserved;
-};
-static_assert(sizeof(ConvParams) == 11 * 8 + 8 * 8 + 8, "mirror of ConvParams");
-
-// Mirror of `DecodeParams` (src/ops/mamba_decode/mod.rs): the fused step.
-struct DecodeParams {
-    StateUpdateParams ssm;  // ssm.x is the conv's input
-    void* conv_state;       // (n_slots, dim, width - 1), dtype of x, updated in place
-    const void* conv_weight;
-    const void* conv_bias;
-    int64_t width;
-};
-
-
-// The decode kernels' softplus: softplus_fast (common.cuh); XLA_SSM_DECODE_SOFTPLUS=0
-// (bench/state_update_check.cu) builds the accurate one instead, to compare.
-#ifndef XLA_SSM_DECODE_SOFTPLUS
-#define XLA_SSM_DECODE_SOFTPLUS 1
-#endif
-__device__ __forceinline__ float softplus_decode(float x) { return XLA_SSM_DECODE_SOFTPLUS ? softplus_fast(x) : softplus(x); }
-
-// How the state (read once, written once) meets the caches; a knob for bench/state_update_check.cu:
-// 0, the default: evict-first loads and stores (.cs); 1: the default policy (slower, BENCHMARKS.md).
-#ifndef XLA_SSM_STATE_CACHE
-#define XLA_SSM_STATE_CACHE 0
-#endif
+// The state is read once and written once: evict-first loads and stores (.cs). (The default cache
+// policy, and the accurate softplus instead of softplus_fast, were slower: BENCHMARKS.md, "What did
+// not pay".)
+template <typename V>
+__device__ __forceinline__ V load_state(const V* p) { return __ldcs(p); }
 
 template <typename V>
-__device__ __forceinline__ V load_state(const V* p) {
-#if XLA_SSM_STATE_CACHE == 1
-    return *p;
-#else
-    return __ldcs(p);
-#endif
-}
-
-template <typename V>
-__device__ __forceinline__ void store_state(V* p, V v) {
-#if XLA_SSM_STATE_CACHE == 1
-    *p = v;
-#else
-    __stcs(p, v);
-#endif
-}
+__device__ __forceinline__ void store_state(V* p, V v) { __stcs(p, v); }
 
 template <int Bytes> struct Raw;
 template <> struct Raw<16> { typedef int4 type; };

@@ -1,53 +1,9 @@
-// The selective scan's kernel parameters, shared by the forward and backward kernels.
+// What the selective scan's forward and backward kernels share: their parameters
+// (SelectiveScanFwdParams, SelectiveScanBwdParams: kernels/params.h, generated from
+// src/ops/selective_scan/mod.rs) and helpers.
 #pragma once
 #include "common.cuh"
-
-// Mirror of `FwdParams` in src/ops/selective_scan/mod.rs: keep field for field.
-struct SelectiveScanFwdParams {
-    const void* u;
-    const void* delta;
-    const float* A;
-    const void* B;
-    const void* C;
-    const float* D;
-    const void* z;
-    const float* delta_bias;
-    const float* initial_state;
-    void* out;
-    float* final_state;
-    int64_t batch, dim, seqlen, dstate, dim_per_group;
-    int64_t x_stride_batch, x_stride_dim, x_stride_seq;
-    int64_t bc_stride_batch, bc_stride_group, bc_stride_state, bc_stride_seq;
-    int32_t delta_softplus;
-    int32_t reserved;
-    // Sequence split (tiled kernel): chunks of chunk_len steps, per-chunk (state, sum of dt) in
-    // workspace [n_chunks - 1][batch][dim][kChunkRecord] f32. n_chunks == 1: no split.
-    float* workspace;
-    int64_t chunk_len, n_chunks;
-    // Residuals for the backward pass: [batch][dim][ceil(seqlen / checkpoint_len)][dstate] f32, the
-    // state entering every checkpoint_len-th step (a multiple of 32). checkpoint_len == 0: none.
-    float* checkpoints;
-    int64_t checkpoint_len;
-};
-static_assert(sizeof(SelectiveScanFwdParams) == 11 * 8 + 12 * 8 + 8 + 3 * 8 + 2 * 8, "mirror of FwdParams");
-
-// Mirror of `BwdParams`: the forward's operands (out / final_state unused; checkpoints read; workspace =
-// the backward's partial sums), the cotangents, and the gradients (optional ones null).
-struct SelectiveScanBwdParams {
-    SelectiveScanFwdParams fwd;
-    const void* dout;
-    const float* dfinal_state;
-    void* du;
-    void* ddelta;
-    float* dA;
-    void* dB;
-    void* dC;
-    float* dD;
-    void* dz;
-    float* ddelta_bias;
-    float* dinitial_state;
-};
-static_assert(sizeof(SelectiveScanBwdParams) == sizeof(SelectiveScanFwdParams) + 11 * 8, "mirror of BwdParams");
+#include "params.h"
 
 // Where B/C element i = t * N + n sits in a kernel's f32 staging rows of N states. From N = 64 on,
 // the 16-byte pieces of states 32..63 of every 64 trade places in pairs (i ^ 4 where bit 5 is set),

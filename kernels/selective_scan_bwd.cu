@@ -22,22 +22,18 @@
 
 #include <type_traits>
 
-// Tuning knob (bench/bwd_variants.sh builds variants with -D).
-#ifndef SSB_PIECE_STEPS
-#define SSB_PIECE_STEPS 4
-#endif
 constexpr int kBwdThreads = 128;
 constexpr int kBwdWarps = kBwdThreads / 32;
 
 // 32-step tiles at two blocks per SM. (16-step tiles at four blocks per SM, 128 registers, were 8%
 // faster at checkpoint_len 32 while the tiles were staged element by element; with 16-byte vectors
-// the 32-step tiles are faster at every shape measured: BENCHMARKS.md.)
+// the 32-step tiles are faster at every shape measured: BENCHMARKS.md, "What did not pay".)
 template <int TPC> struct BwdShape {
     static constexpr int K = 8;                  // states per thread
     static constexpr int NMAX = K * TPC;         // states per channel
     static constexpr int CB = kBwdThreads / TPC; // channels per block
     static constexpr int S = 32;                 // steps per tile (divides checkpoint_len)
-    static constexpr int SUB = SSB_PIECE_STEPS;  // steps recomputed into registers at a time
+    static constexpr int SUB = 4;                // steps recomputed into registers at a time
     static constexpr int NSUB = S / SUB;
     static constexpr int P = S + 1;              // pitch of the per-(channel, step) rows
     // Steps of dB/dC warp partials gathered before the block sums them.
@@ -49,7 +45,7 @@ template <int TPC> struct BwdShape {
     // the launch gives room for it, the next tile's raw inputs (RawTile). Two blocks fit an SM for
     // checkpoint_len <= 64 at dstate <= 16, raw tile included for 2-byte inputs. (Smaller variants,
     // bf16 rows and sigmoid recomputed from dt, let three blocks fit only with register spills:
-    // slower, BENCHMARKS.md.)
+    // slower, BENCHMARKS.md, "What did not pay".)
     static constexpr int kU = 0, kDt = kU + CB * P, kSig = kDt + CB * P, kDy = kSig + CB * P, kDzf = kDy + CB * P;
     static constexpr int kB = kDzf + CB * P, kC = kB + S * NMAX;
     static constexpr int kPiece = kC + S * NMAX;
@@ -692,15 +688,7 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
     if (thread_part == 0) dD_part[z * BD + row] = dD, dbias_part[z * BD + row] = dbias;
 }
 
-// Arguments of the reductions; mirror of `BwdReduceParams` in src/ops/selective_scan/cuda_bwd.rs.
-struct SelectiveScanBwdReduceParams {
-    SelectiveScanBwdParams q;
-    int64_t tiles_per_group;  // blocks of the tiled kernel per (batch row, group)
-    int64_t bc_part;          // floats of each of the dB and dC partials
-    int64_t groups;           // of time-varying B/C (dim may be 0)
-    int32_t varying_bc;
-    int32_t reserved;
-};
+// The reductions take SelectiveScanBwdReduceParams (kernels/params.h).
 
 // Sums the time-varying dB/dC partials over the tiles of each group, in tile order: one thread per
 // (batch, group, step, state).

@@ -119,34 +119,21 @@ SSF_ALL_NS(f16, f32)
 // computed once per tile for all its steps (the independent work, off the recurrence's critical
 // path), and B/C (one group per block) are staged as f32 and read by broadcast. Per-thread work is
 // the same at every TPC: a larger dstate means more threads per block (128, 256, 512), not more
-// registers; past 512 threads, fewer channels. Some exponentials can run on the FMA pipes
-// (SSF_POLY_STATES per thread; slower so far: the kernel is bound by instruction issue).
+// registers; past 512 threads, fewer channels.
 // TPC 1 (dstate <= 16, where the grid is large enough: cuda.rs): one thread holds a channel's 16
 // states, so nothing is reduced, and u / dt loads are shared by twice the states (15% fewer
 // instructions); dt and the gate are then computed in the step loop, not once per tile.
 
-// Tuning knobs (bench/fwd_variants.sh builds variants with -D to compare them on a GPU).
-#ifndef SSF_POLY_STATES
-#define SSF_POLY_STATES 0
-#endif
 // Channels per block up to dstate 64: 64 (four blocks per SM at two threads per channel, 128
 // registers a thread) ran 1-20% faster than 128 (two per SM) at every shape measured, channel-last
-// most (BENCHMARKS.md).
-#ifndef SSF_TILE_CHANNELS
-#define SSF_TILE_CHANNELS 64
-#endif
-#ifndef SSF_MIN_BLOCKS  // blocks of 128 threads per SM the registers must allow
-#define SSF_MIN_BLOCKS 4
-#endif
-constexpr int kTileChannels = SSF_TILE_CHANNELS;
-constexpr int kPolyStates = SSF_POLY_STATES;
-// Outputs are finished a group of G = min(TPC, SSF_STEP_GROUP) steps at a time: the channel's threads
-// reduce-scatter the group's partial sums, and each writes one step (1: every thread sums every step
-// and one of them writes it, the form before stop 19).
-#ifndef SSF_STEP_GROUP
-#define SSF_STEP_GROUP 8
-#endif
-constexpr int kMaxStepGroup = SSF_STEP_GROUP;
+// most; 32 at one thread a channel was slower too (BENCHMARKS.md, "What did not pay").
+constexpr int kTileChannels = 64;
+// Blocks of 128 threads per SM the registers must allow (the launch bounds below).
+constexpr int kMinBlocks = 4;
+// Outputs are finished a group of G = min(TPC, kMaxStepGroup) steps at a time: the channel's threads
+// reduce-scatter the group's partial sums, and each writes one step (rather than every thread
+// summing every step and one of them writing it). Groups of 16 hold 16 partials a thread and lose.
+constexpr int kMaxStepGroup = 8;
 // At one thread a channel (no reduce), outputs are finished 4 steps at a time: 8 ran 0.5% faster
 // but spills 4 bytes where B/C are staged element by element; 2 ran 3-15% slower.
 constexpr int kSoloStepGroup = 4;
@@ -350,7 +337,8 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     using Sums = StepSums<TPC, G>;
     static_assert(S % G == 0, "output groups tile the steps");
     // One thread a channel computes dt and the gate step by step (a per-tile phase would leave each
-    // thread walking its channel's steps alone, at two warps a scheduler: bench/fwd_floor.cu).
+    // thread walking its channel's steps alone, at two warps a scheduler: BENCHMARKS.md, "What did
+    // not pay").
     constexpr bool kInline = TPC == 1;
     extern __shared__ __align__(16) unsigned char shared[];
     float* s_B = reinterpret_cast<float*>(shared);  // [S][N]
@@ -441,7 +429,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     const bool checkpoint_vectors = p.dstate == N && (reinterpret_cast<uintptr_t>(p.checkpoints) & 15) == 0;
     // At one thread a channel, through the scalar rows (s_dtf, s_gate), which it does not use. (At
     // TPC 2, through those rows between the last barrier and the scalar phase: the checkpoints cost
-    // about the same, and the kernel without them 4.5% more, at 16x1536x2048: BENCHMARKS.md.)
+    // about the same, and the kernel without them 4.5% more, at 16x1536x2048 on the H100.)
     constexpr bool kCheckpointsViaShared = kInline;
     static_assert(!kCheckpointsViaShared || kThreads * (K + 4) <= 2 * kChannels * PF, "a warp's rows fit");
 
@@ -614,7 +602,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
 #pragma unroll
                     for (int k = 0; k < K; ++k) {
                         const float x = dt * a2[k];
-                        const float decay = k < kPolyStates ? exp2_fma(x) : ex2_ftz(x);
+                        const float decay = ex2_ftz(x);
                         h[k] = fmaf(decay, h[k], dtu * Bt[k]);
                         if (!kLocal) acc[k % 2] = fmaf(Ct[k], h[k], acc[k % 2]);
                     }
@@ -664,11 +652,11 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
 
 // selective_scan_fwd_tiled[_local]_<T>_<TB>_tpc<TPC>_<varying|varying_vec|invariant> (_local from
 // TPC 2 on), launched with Tiled<TPC>::kThreads threads, Tile<T, TPC>::kSharedBytes of dynamic shared
-// memory and a (tiles, batch, chunks) grid. Registers are capped for SSF_MIN_BLOCKS blocks of 128
-// threads per SM from TPC 2 on (128 a thread); at TPC 1 for SSF_MIN_BLOCKS blocks of 64 (its 16
+// memory and a (tiles, batch, chunks) grid. Registers are capped for kMinBlocks blocks of 128
+// threads per SM from TPC 2 on (128 a thread); at TPC 1 for kMinBlocks blocks of 64 (its 16
 // states and their operands take ~190-250).
 #define SSF_TILED_BOUNDS(TPC) \
-    __launch_bounds__(Tiled<TPC>::kThreads, TPC == 1 ? SSF_MIN_BLOCKS : SSF_MIN_BLOCKS * 128 / Tiled<TPC>::kThreads)
+    __launch_bounds__(Tiled<TPC>::kThreads, TPC == 1 ? kMinBlocks : kMinBlocks * 128 / Tiled<TPC>::kThreads)
 #define SSF_TILED_PASS(T, TB, TPC, FORM, NAME, PASS, LOCAL)                                                  \
     extern "C" __global__ void SSF_TILED_BOUNDS(TPC)                                                         \
         selective_scan_fwd_##PASS##_##T##_##TB##_tpc##TPC##_##NAME(const SelectiveScanFwdParams p) {         \
@@ -680,7 +668,7 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     SSF_TILED_PASS(T, TB, TPC, kInvariant, invariant, PASS, LOCAL)
 #define SSF_TILED_TPC(T, TB, TPC) SSF_TILED_FORMS(T, TB, TPC, tiled, false) SSF_TILED_FORMS(T, TB, TPC, tiled_local, true)
 // The split's first pass has no one-thread-a-channel form: it gained only on the longest chunks (2%
-// at 1x4096x16384) and cost up to 9% of the forward on others (BENCHMARKS.md, stop 41).
+// at 1x4096x16384) and cost up to 9% of the forward on others (BENCHMARKS.md, "What did not pay").
 #define SSF_TILED(T, TB)                                                                                     \
     SSF_TILED_FORMS(T, TB, 1, tiled, false)                                                                  \
     SSF_TILED_TPC(T, TB, 2) SSF_TILED_TPC(T, TB, 4) SSF_TILED_TPC(T, TB, 8) SSF_TILED_TPC(T, TB, 16) SSF_TILED_TPC(T, TB, 32)

@@ -92,13 +92,13 @@ __device__ __forceinline__ void decode_step(const DecodeParams q) {
 
 // The fast path, for a vectorized state of exactly one 16-byte vector per lane (dstate == lanes * kN):
 // a thread per state vector, every load of its row issued before any arithmetic, and few
-// instructions per row, so that the kernel runs near the HBM copy rate (BENCHMARKS.md). The grid
+// instructions per row, so that the kernel runs near the HBM copy rate (BENCHMARKS.md, "Limits"). The grid
 // is two-dimensional, so that no thread divides by dim: block (x, y) takes channels
 // [x * per_block, (x + 1) * per_block) of batch rows y, y + gridDim.y, ... Rows past dim return at
 // once (a row's lanes sum over the row's own shuffle mask). `kFused`: the conv first (decode_step's
 // conv half), lane k < width holding tap k (the host takes this path only when lanes >= width) and
 // writing it back one place older, so that no lane waits for another's load.
-constexpr int kFastBlock = 128;  // measured best on the H100 (BENCHMARKS.md)
+constexpr int kFastBlock = 128;  // measured best on the H100
 // Resident blocks asked of the compiler for the state update with an f32 state: 40 registers, so
 // 1536 threads per SM (45 and 1280 without; a half state would spill at 40).
 template <typename S>
@@ -154,7 +154,7 @@ __device__ __forceinline__ void rows_fast(const DecodeParams q) {
             if (lane >= 1 && lane < w) conv_state[lane - 1] = from_f32<T>(tap);
             x = silu_fast(conv);
         }
-        const float dtv = p.dt_softplus ? softplus_decode(dt) : dt;
+        const float dtv = p.dt_softplus ? softplus_fast(dt) : dt;
         const float dt2 = dtv * kLog2e, dtx = dtv * x;
         float y = 0.f;
 #pragma unroll

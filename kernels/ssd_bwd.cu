@@ -28,39 +28,16 @@
 
 namespace ssd_mma {
 
-// Workspace views of a backward launch (mirror of `BwdMmaParams` in src/ops/ssd/cuda_mma.rs).
-struct SsdBwdMmaParams {
-    SsdBwdParams q;
-    void* gated;        // (batch, seqlen, heads, kP) T, with z: y before the gate, then dy through the gate
-    void* scratch;      // (n_parts, batch * heads, kScratchSlots, kP * dstate) T: recomputed states
-    float* da_part;     // (n_parts, batch, heads)
-    float* dbias_part;  // (n_parts, batch, heads)
-    float* dd_part;     // (n_parts, batch, heads, kP)
-    // Sequence split (few batch x heads): parts of chunks_per_part chunks. Parts 1..n_parts-1 are
-    // each cut in records_per_part pieces of whole tiles (the last ones shorter or empty), and record
-    // r (part r / records_per_part + 1, piece r % records_per_part) is the gradient entering its piece
-    // from the piece's own steps and their total decay (log2): [n_records][batch * heads][kP * dstate],
-    // then [n_records][batch * heads], n_records = (n_parts - 1) * records_per_part.
-    float* records;
-    int64_t chunks_per_part, n_parts, records_per_part;
-    // Per (batch * heads, chunk), kP x dstate in T, row-major: the state entering the chunk and the
-    // gradient of the state leaving it (the main kernel writes them; bc_sums reads them).
-    void* s_chunk;
-    void* ds_chunk;
-    float2* scal;  // (batch * heads, n_chunks * chunk_size): {cum, dt} from the chunk's start (chunk_scalars)
-    float* msum;   // (batch * n_chunks * groups, msum_split, tile pairs, kQ, kQ): M over head ranges
-    int64_t msum_split;  // head ranges of a group that head_msum sums apart (1..heads per group)
-    // The per-head path (PARTIALS): (batch, seqlen, heads, dstate) T each, summed by reduce_bc.
-    void* db_part;
-    void* dc_part;
+// The launch's parameters and workspace views (SsdBwdMmaParams: kernels/params.h, generated from
+// `BwdMmaParams` in src/ops/ssd/mod.rs, which describes the fields).
+using ::SsdBwdMmaParams;
 
-    __device__ __forceinline__ int64_t n_records() const { return (n_parts - 1) * records_per_part; }
-    // The tiles [begin, end) of record r's piece (end <= begin: an empty piece).
-    __device__ __forceinline__ void record_tiles(int64_t r, int64_t& begin, int64_t& end) const {
-        piece_tiles(chunks_per_part * (q.fwd.chunk_size / kQ), records_per_part, r / records_per_part + 1,
-                    r % records_per_part, (q.fwd.seqlen + kQ - 1) / kQ, begin, end);
-    }
-};
+__device__ __forceinline__ int64_t n_records(const SsdBwdMmaParams& a) { return (a.n_parts - 1) * a.records_per_part; }
+// The tiles [begin, end) of record r's piece (end <= begin: an empty piece).
+__device__ __forceinline__ void record_tiles(const SsdBwdMmaParams& a, int64_t r, int64_t& begin, int64_t& end) {
+    piece_tiles(a.chunks_per_part * (a.q.fwd.chunk_size / kQ), a.records_per_part, r / a.records_per_part + 1,
+                r % a.records_per_part, (a.q.fwd.seqlen + kQ - 1) / kQ, begin, end);
+}
 
 // The states entering tiles 1.. of a chunk, recomputed before the walk back through it, are kept in
 // T (as mma operands they are rounded to T anyway; only <dS, S> sees the rounding): the last in
@@ -262,7 +239,7 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
     const int64_t part = LOCAL ? 0 : blockIdx.y, bhs = p.batch * p.heads;
     const int64_t chunk_begin = part * a.chunks_per_part, chunk_end = min(chunk_begin + a.chunks_per_part, n_chunks);
     float* records = a.records;
-    float* record_decay = records + a.n_records() * bhs * state_elems;
+    float* record_decay = records + n_records(a) * bhs * state_elems;
     if (tiles_per_chunk - 3 > kScratchSlots) __trap();  // chunk_size past 256: plan.rs sizes no more
     // head_msum does not read what this kernel writes: it may take SMs as this grid's last blocks drain.
     if (!LOCAL && !PARTIALS) pdl_launch_dependents();
@@ -409,7 +386,7 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
     });
     if (!LOCAL) {
         const int64_t after = part * a.records_per_part;  // the records of the parts after this one
-        fold_records<N>(ds, records + bh * state_elems, record_decay + bh, bhs, a.n_records() - 1, a.n_records() - after, -1);
+        fold_records<N>(ds, records + bh * state_elems, record_decay + bh, bhs, n_records(a) - 1, n_records(a) - after, -1);
     }
     // acc <- 2^cum_last acc + (f o steps)^T cols over the tile's steps, rows p = 16 warp..: steps
     // (kQ x kP) and cols (kQ x N) are tiles, f the per-step factors as pairs (steps 2i, 2i + 1).
@@ -437,7 +414,7 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> __device__ __forceinline
     if (LOCAL) {
         const int64_t r = blockIdx.y;
         int64_t tile_begin, tile_end;
-        a.record_tiles(r, tile_begin, tile_end);
+        record_tiles(a, r, tile_begin, tile_end);
         float decay_sum = 0.f;
         for (int64_t t0 = (tile_end - 1) * kQ; t0 >= tile_begin * kQ; t0 -= kQ) {
             load_tile(t0, false, true);
@@ -867,12 +844,9 @@ __device__ __forceinline__ int2 off_diagonal_pair(int q) {
     return make_int2(i, q - i * (i - 1) / 2);
 }
 
-// A knob for the standalone harness (bench/ssd_bwd_check.cu); the library's launcher mirrors the
-// default (cuda_mma.rs's shared memory sizes; the kernels trap on a mismatch).
-#ifndef SSD_BC_STAGES
-#define SSD_BC_STAGES 2
-#endif
-constexpr int kBcStages = SSD_BC_STAGES;
+// bc_sums' pipeline stages (3 or 4 were no faster); the library's launcher mirrors the count
+// (cuda_mma.rs's shared memory sizes; the kernels trap on a mismatch).
+constexpr int kBcStages = 2;
 // head_msum sums a group's heads in at most this many ranges (plan.rs MSUM_MAX_SPLIT; bc_sums adds them).
 constexpr int kMsumMaxSplit = 2;
 
@@ -1388,9 +1362,9 @@ template <typename T, int N> __device__ __forceinline__ void ssd_bwd_local(const
         const int64_t bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads, g = h / (p.heads / p.groups);
         const int64_t bhs = p.batch * p.heads, state_elems = int64_t(kP) * N;
         int64_t tile_begin, tile_end;
-        a.record_tiles(blockIdx.y, tile_begin, tile_end);
+        record_tiles(a, blockIdx.y, tile_begin, tile_end);
         const int64_t at = blockIdx.y * bhs + bh;
-        float* record_decay = a.records + a.n_records() * bhs * state_elems;
+        float* record_decay = a.records + n_records(a) * bhs * state_elems;
         local_sum_wgmma<T, N, false>(p, b, h, g, a.q.dy, p.C, tile_begin, tile_end, a.records + at * state_elems,
                                      record_decay + at);
         return;

@@ -6,7 +6,7 @@
 // the state in accumulators.
 //
 // Sequence split (few batch x heads): pass 1 (`_local`) runs parts 0..n_parts-2, each in pieces
-// (ssd_fwd_common.cuh: FwdSplit), from a zero state and records each piece's end state and total
+// (FwdSplit, kernels/params.h), from a zero state and records each piece's end state and total
 // decay in the workspace; pass 2 runs every part, starting from the initial state folded through the
 // records before it.
 #include "ssd_fwd_sync.cuh"
@@ -38,13 +38,6 @@ __device__ __forceinline__ void ssd_fwd(const SsdParams& p, const FwdSplit& spli
     ssd_fwd_sync<T, N, LOCAL, GATED>(p, split);
 }
 }  // namespace ssd_mma
-
-// The launch's parameters: the call's, and the sequence split (mirror of `MmaParams` in
-// src/ops/ssd/cuda_mma.rs).
-struct SsdMmaParams {
-    SsdParams p;
-    ssd_mma::FwdSplit split;  // its records in p.workspace
-};
 
 // extern "C" entry points ssd_fwd_mma[_gated]_<T>_n<N> (_gated: with z) and ssd_fwd_mma_local_<T>_n<N>
 // (the split's first pass, which writes no y); grid (batch * heads, parts), kThreads threads,

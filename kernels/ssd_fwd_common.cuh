@@ -9,14 +9,11 @@
 
 namespace ssd_mma {
 
-// The sequence split (mirror of `MmaFwdSplit`, src/ops/ssd/plan.rs): the main kernel scans n_parts
-// parts of tiles_per_part tiles; the first pass (LOCAL) scans every part but the last in
-// records_per_part pieces (piece_tiles), so that it has blocks enough to fill the GPU, and records
-// each piece's end state from zero and its total decay.
-struct FwdSplit {
-    int64_t tiles_per_part, n_parts, records_per_part;
-    __device__ __forceinline__ int64_t n_records() const { return (n_parts - 1) * records_per_part; }
-};
+// The sequence split (FwdSplit: kernels/params.h): the main kernel scans n_parts parts of
+// tiles_per_part tiles; the first pass (LOCAL) scans every part but the last in records_per_part
+// pieces (piece_tiles), so that it has blocks enough to fill the GPU, and records each piece's end
+// state from zero and its total decay.
+__device__ __forceinline__ int64_t n_records(const FwdSplit& s) { return (s.n_parts - 1) * s.records_per_part; }
 
 // The split's records in the workspace: [n_records][batch * heads][kP][N] end states from zero, then
 // [n_records][batch * heads] total decays (log2).
@@ -26,7 +23,7 @@ struct PartRecords {
     int64_t per_part;  // batch * heads
     template <int N> static __device__ __forceinline__ PartRecords make(const SsdParams& p, const FwdSplit& split) {
         float* states = static_cast<float*>(p.workspace);
-        return {states, states + split.n_records() * p.batch * p.heads * int64_t(kP) * N, p.batch * p.heads};
+        return {states, states + n_records(split) * p.batch * p.heads * int64_t(kP) * N, p.batch * p.heads};
     }
 };
 

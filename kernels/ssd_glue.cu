@@ -2,27 +2,8 @@
 // dim = heads * headdim channels in the channel-last layout. These kernels expand the per-head
 // operands to per-channel ones before the scan, and fold the scan's per-channel gradients back to
 // heads after its backward. Every reduction sums in a fixed order (no atomics): the same inputs
-// give the same bits.
+// give the same bits. Their parameters: SsdGlueParams (kernels/params.h).
 #include "ssd.cuh"
-
-// Mirrored by `GlueParams` in src/ops/ssd/cuda.rs. The scratch arrays live in the host's workspace.
-struct SsdGlueParams {
-    SsdBwdParams q;           // the SSD call (forward: q.fwd only)
-    void* delta;              // (batch, seqlen, heads * headdim) T: the scan's delta
-    float* A;                 // (heads * headdim, dstate): A[h] for each channel and state
-    float* D;                 // (heads * headdim): D[h] per channel, or null (absent, or already per channel)
-    float* dt_bias;           // (heads * headdim): dt_bias[h] per channel, or null (not passed to the scan)
-    const void* ddelta;       // backward: (batch, seqlen, heads * headdim) T, the scan's gradient of delta
-    const float* dA;          // backward: (heads * headdim, dstate), the scan's gradient of its A
-    const float* dD;          // backward: (heads * headdim) when D is per head
-    const float* ddelta_bias; // backward: (heads * headdim), when the scan had the bias (not transformed)
-    float* ddt_f32;           // backward: (batch, seqlen, heads) ddt before rounding, for ddt_bias when
-                              // transformed; or null
-    // delta holds the final dt (bias, softplus and clamp applied; rounded to T) instead of the raw dt.
-    int32_t transformed;
-    int32_t _reserved;
-};
-static_assert(sizeof(SsdGlueParams) == sizeof(SsdBwdParams) + 9 * 8 + 8, "mirror of GlueParams");
 
 constexpr int kGlueThreads = 256;
 

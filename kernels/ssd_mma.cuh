@@ -8,7 +8,7 @@ namespace ssd_mma {
 constexpr int kQ = 64;  // steps per tile
 constexpr int kP = 64;  // headdim
 // 4 warps; warp w owns rows 16w..16w+15 of the state (and of the step-major products). 8 warps of
-// half the columns each measured 10-20% slower in the forward (BENCHMARKS.md).
+// half the columns each measured 10-20% slower in the forward (H100).
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 

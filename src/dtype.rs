@@ -1,59 +1,51 @@
-//! Element types, named by their XLA FFI codes so that XLA buffers and C API calls share one enum.
+//! Element types. The codes are XLA's `XLA_FFI_DataType` values (the host adapters map theirs onto
+//! these), so that an unknown type can still be named in an error.
 
-use crate::xla::ffi;
 use half::{bf16, f16};
 
-/// An element type as XLA names it (`XLA_FFI_DataType`).
+/// An element type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DType {
     F32,
     BF16,
     F16,
-    /// Any other XLA type, by its code; always rejected by the operations, but named in errors.
+    F64,
+    Pred,
+    S8,
+    S16,
+    S32,
+    S64,
+    U8,
+    /// Any other type, by its XLA code; always rejected by the operations, but named in errors.
     Other(i32),
 }
 
 impl DType {
-    pub fn from_xla(code: ffi::XLA_FFI_DataType) -> DType {
-        match code {
-            ffi::XLA_FFI_DATA_TYPE_F32 => DType::F32,
-            ffi::XLA_FFI_DATA_TYPE_BF16 => DType::BF16,
-            ffi::XLA_FFI_DATA_TYPE_F16 => DType::F16,
-            other => DType::Other(other),
-        }
-    }
-
     /// The short name used in kernel names and error messages.
     pub fn name(self) -> String {
         match self {
             DType::F32 => "f32".into(),
             DType::BF16 => "bf16".into(),
             DType::F16 => "f16".into(),
-            DType::Other(code) => match code {
-                ffi::XLA_FFI_DATA_TYPE_PRED => "pred".into(),
-                ffi::XLA_FFI_DATA_TYPE_S8 => "s8".into(),
-                ffi::XLA_FFI_DATA_TYPE_S16 => "s16".into(),
-                ffi::XLA_FFI_DATA_TYPE_S32 => "s32".into(),
-                ffi::XLA_FFI_DATA_TYPE_S64 => "s64".into(),
-                ffi::XLA_FFI_DATA_TYPE_U8 => "u8".into(),
-                ffi::XLA_FFI_DATA_TYPE_F64 => "f64".into(),
-                _ => format!("xla dtype #{code}"),
-            },
+            DType::F64 => "f64".into(),
+            DType::Pred => "pred".into(),
+            DType::S8 => "s8".into(),
+            DType::S16 => "s16".into(),
+            DType::S32 => "s32".into(),
+            DType::S64 => "s64".into(),
+            DType::U8 => "u8".into(),
+            DType::Other(code) => format!("xla dtype #{code}"),
         }
     }
 
-    /// Bytes per element, as XLA stores it (0 for types this library does not know).
+    /// Bytes per element (0 for types this library does not know).
     pub fn size_bytes(self) -> i64 {
         match self {
-            DType::F32 => 4,
-            DType::BF16 | DType::F16 => 2,
-            DType::Other(code) => match code {
-                ffi::XLA_FFI_DATA_TYPE_PRED | ffi::XLA_FFI_DATA_TYPE_S8 | ffi::XLA_FFI_DATA_TYPE_U8 => 1,
-                ffi::XLA_FFI_DATA_TYPE_S16 => 2,
-                ffi::XLA_FFI_DATA_TYPE_S32 => 4,
-                ffi::XLA_FFI_DATA_TYPE_S64 | ffi::XLA_FFI_DATA_TYPE_F64 => 8,
-                _ => 0,
-            },
+            DType::F64 | DType::S64 => 8,
+            DType::F32 | DType::S32 => 4,
+            DType::BF16 | DType::F16 | DType::S16 => 2,
+            DType::Pred | DType::S8 | DType::U8 => 1,
+            DType::Other(_) => 0,
         }
     }
 }

@@ -9,6 +9,14 @@ use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::Mutex;
 
+pub(crate) mod conv1d;
+pub(crate) mod mamba_decode;
+pub(crate) mod selective_scan;
+pub(crate) mod selective_scan_bwd;
+pub(crate) mod ssd;
+pub(crate) mod ssd_mma;
+pub(crate) mod state_update;
+
 include!(concat!(env!("OUT_DIR"), "/fatbins.rs"));
 
 /// Turns a driver status into an [`Error`] carrying the driver's own name and message.
@@ -65,9 +73,22 @@ pub fn device_count() -> usize {
 /// (they live as long as the context, which XLA keeps for the process).
 struct Cache {
     modules: HashMap<(usize, &'static str), usize>,
-    /// (function, the dynamic shared memory it was allowed, beyond the default 48 KiB).
-    functions: HashMap<(usize, String), (usize, u32)>,
+    functions: HashMap<(usize, String), Function>,
 }
+
+/// A loaded kernel.
+#[derive(Clone, Copy)]
+struct Function {
+    handle: sys::CUfunction,
+    /// The dynamic shared memory it was allowed, beyond the default 48 KiB.
+    shared_allowed: u32,
+    /// Compiled for a virtual arch of sm_90 or newer: its `pdl_*` calls are real instructions, so it
+    /// may be launched overlapping (on a newer GPU that JITs the sm_80 PTX they compile to nothing).
+    pdl: bool,
+}
+
+// SAFETY: a CUfunction is a handle that the driver lets any thread use.
+unsafe impl Send for Function {}
 
 /// Dynamic shared memory a kernel may take without opting in.
 const DEFAULT_DYNAMIC_SHARED: u32 = 48 * 1024;
@@ -107,14 +128,14 @@ impl Drop for ContextGuard {
     }
 }
 
-/// The kernel's handle in `ctx`, allowed at least `shared_bytes` of dynamic shared memory.
-fn function(ctx: sys::CUcontext, module: &'static str, kernel: &str, shared_bytes: u32) -> Result<sys::CUfunction> {
+/// The kernel in `ctx`, allowed at least `shared_bytes` of dynamic shared memory.
+fn function(ctx: sys::CUcontext, module: &'static str, kernel: &str, shared_bytes: u32) -> Result<Function> {
     let mut guard = CACHE.lock().unwrap_or_else(|p| p.into_inner());
     let cache = guard.get_or_insert_with(|| Cache { modules: HashMap::new(), functions: HashMap::new() });
     let key = (ctx as usize, kernel.to_string());
-    if let Some(&(f, allowed)) = cache.functions.get(&key) {
-        if shared_bytes <= allowed.max(DEFAULT_DYNAMIC_SHARED) {
-            return Ok(f as sys::CUfunction);
+    if let Some(&f) = cache.functions.get(&key) {
+        if shared_bytes <= f.shared_allowed.max(DEFAULT_DYNAMIC_SHARED) {
+            return Ok(f);
         }
     }
     let module_handle = match cache.modules.get(&(ctx as usize, module)) {
@@ -157,8 +178,15 @@ fn function(ctx: sys::CUcontext, module: &'static str, kernel: &str, shared_byte
             &format!("allowing {kernel} {shared_bytes} bytes of shared memory"),
         )?;
     }
-    cache.functions.insert(key, (f as usize, shared_bytes));
-    Ok(f)
+    let mut ptx_arch = 0;
+    // SAFETY: a live function of this context.
+    check(
+        unsafe { sys::cuFuncGetAttribute(&mut ptx_arch, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PTX_VERSION, f) },
+        &format!("querying {kernel}'s PTX version"),
+    )?;
+    let function = Function { handle: f, shared_allowed: shared_bytes, pdl: ptx_arch >= 90 };
+    cache.functions.insert(key, function);
+    Ok(function)
 }
 
 /// An attribute of the current context's device.
@@ -206,14 +234,22 @@ pub struct LaunchConfig {
 }
 
 /// Launches `module`'s `kernel` on `stream` with one by-value parameter struct.
-pub fn launch<P>(
+///
+/// # Safety
+/// `P` is the `#[repr(C)]` parameter struct the kernel reads by value, and every pointer in it
+/// addresses device memory of the stream's context that is valid, for the kernel's reads and
+/// writes, at the sizes the other fields describe, until the kernel has finished. The operations
+/// ensure this by launching only with parameters built by their `validate` functions from buffers
+/// whose shapes were checked (the host vouches for the buffers themselves).
+pub unsafe fn launch<P>(
     stream: *mut c_void,
     module: &'static str,
     kernel: &str,
     config: LaunchConfig,
     params: &P,
 ) -> Result<()> {
-    launch_ex(stream, module, kernel, config, params, Start::AfterPrevious)
+    // SAFETY: the caller's promise, passed on.
+    unsafe { launch_ex(stream, module, kernel, config, params, Start::AfterPrevious) }
 }
 
 /// When a kernel may start, relative to the one ahead of it on the stream.
@@ -221,15 +257,18 @@ pub fn launch<P>(
 pub enum Start {
     /// Once that one has finished (stream order).
     AfterPrevious,
-    /// On sm_90 and newer, once every block of that one has run `pdl_launch_dependents`
-    /// (kernels/common.cuh; programmatic dependent launch). The kernel must run
-    /// `pdl_wait_prerequisite` before it reads anything that one writes, and before it finishes
-    /// where later work does. On older GPUs, as `AfterPrevious`.
+    /// When the kernel was compiled for sm_90 or newer, once every block of that one has run
+    /// `pdl_launch_dependents` (kernels/common.cuh; programmatic dependent launch). The kernel must
+    /// run `pdl_wait_prerequisite` before it reads anything that one writes, and before it finishes
+    /// where later work does. Otherwise, as `AfterPrevious`.
     Overlapping,
 }
 
 /// [`launch`], with the kernel's [`Start`].
-pub fn launch_ex<P>(
+///
+/// # Safety
+/// As [`launch`].
+pub unsafe fn launch_ex<P>(
     stream: *mut c_void,
     module: &'static str,
     kernel: &str,
@@ -248,10 +287,10 @@ pub fn launch_ex<P>(
     let stream = stream as sys::CUstream;
     let ctx = stream_context(stream)?;
     let _current = ContextGuard::push(ctx)?;
-    let f = function(ctx, module, kernel, shared_bytes)?;
+    let function = function(ctx, module, kernel, shared_bytes)?;
+    let f = function.handle;
     let mut args = [params as *const P as *mut c_void];
-    use sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR;
-    if start == Start::Overlapping && device_attribute(MAJOR)? >= 9 {
+    if start == Start::Overlapping && function.pdl {
         let mut attribute = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
@@ -298,7 +337,11 @@ pub fn launch_ex<P>(
 
 /// Enqueues a device-to-device copy of `bytes` on `stream` (capturable in CUDA graphs): for in-place
 /// operands that XLA did not alias to their results.
-pub fn copy_async(stream: *mut c_void, dst: *mut c_void, src: *const c_void, bytes: usize) -> Result<()> {
+///
+/// # Safety
+/// `dst` and `src` address device buffers of at least `bytes` bytes in the stream's context that do
+/// not overlap (or are the same buffer, which copies nothing).
+pub unsafe fn copy_async(stream: *mut c_void, dst: *mut c_void, src: *const c_void, bytes: usize) -> Result<()> {
     if bytes == 0 || std::ptr::eq(dst, src) {
         return Ok(());
     }

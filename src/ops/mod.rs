@@ -32,6 +32,36 @@ impl Tensor {
     }
 }
 
+/// Most elements any one array may have: 2^48 (a petabyte of f32, far past any device). Every size
+/// the library derives (workspaces, offsets) is a product of such counts with factors below 2^13,
+/// so with this bound checked first none of that arithmetic can overflow an i64.
+pub const MAX_ELEMENTS: i64 = 1 << 48;
+
+/// Checks caller-given sizes before any arithmetic on them: each named shape has non-negative dims
+/// whose product is at most [`MAX_ELEMENTS`].
+pub fn check_sizes(op: &str, shapes: &[(&str, &[i64])]) -> Result<()> {
+    for (name, dims) in shapes {
+        check_elements(&format!("{op}: `{name}`"), dims)?;
+    }
+    Ok(())
+}
+
+/// `dims` are non-negative and the product of the nonzero ones is at most [`MAX_ELEMENTS`] (so that
+/// no product of some of them can overflow, even where another is 0); `what` names the array.
+pub fn check_elements(what: &str, dims: &[i64]) -> Result<()> {
+    if let Some(d) = dims.iter().find(|&&d| d < 0) {
+        return Err(Error::invalid(format!("{what}: sizes must be non-negative, got {d}")));
+    }
+    let fits = dims.iter().try_fold(1i64, |n, &d| n.checked_mul(d.max(1)).filter(|&n| n <= MAX_ELEMENTS));
+    if fits.is_none() {
+        return Err(Error::invalid(format!(
+            "{what} of shape {} is too large: its nonzero sizes multiply to more than 2^48",
+            fmt_dims(dims)
+        )));
+    }
+    Ok(())
+}
+
 /// Formats dims as `(2, 3, 4)`.
 pub fn fmt_dims(dims: &[i64]) -> String {
     let inner: Vec<String> = dims.iter().map(i64::to_string).collect();
@@ -44,6 +74,7 @@ pub fn fmt_dims(dims: &[i64]) -> String {
 
 /// Checks one operand: exact dims and one of the allowed dtypes. `what` names it in errors.
 pub fn expect(t: &Tensor, what: &str, dims: &[i64], dims_meaning: &str, dtypes: &[DType]) -> Result<()> {
+    check_elements(what, &t.dims)?;
     if t.dims != dims {
         return Err(Error::invalid(format!(
             "{what}: expected shape {} {dims_meaning}, got {}",
@@ -70,8 +101,8 @@ pub fn expect_nonnull(t: &Tensor, what: &str) -> Result<()> {
 }
 
 // Decode-time operations (docs/decode.md).
-pub mod args;
+pub mod alias;
+pub mod buffers;
 pub mod conv1d;
 pub mod mamba_decode;
-pub(crate) mod pool;
 pub mod state_update;

@@ -1,13 +1,24 @@
-//! The XLA FFI C API (`xla/ffi/api/c_api.h`, API version 0.3 as shipped in jaxlib), mirrored in
-//! `#[repr(C)]`. Only what a handler needs is given real types; the rest of the function table is
-//! kept as opaque pointers so the struct layout still matches.
+//! The XLA FFI C API (`xla/ffi/api/c_api.h`), mirrored in `#[repr(C)]`. Only what a handler needs
+//! is given real types; the rest of the function table is kept as opaque pointers so the struct
+//! layout still matches.
+//!
+//! Every structure and table entry used here has had the same layout since API 0.1 (jaxlib 0.4.33),
+//! so the handlers report 0.1 (see [`HANDLER_API_VERSION`]) and work with every host from jax 0.5.0
+//! (the first `jax.ffi`) and EXLA's XLA (0.2) to jaxlib 0.12 (0.5). What later versions changed,
+//! none of which this library touches: 0.2 `Type_Register`'s arguments, 0.3 a `stage` in the state
+//! entries' arguments, 0.4 a fifth entry (`record`) in the handler bundle, which moves
+//! `XLA_FFI_Handler_Register_Args.traits` (hosts still accept the 0.1 layout, told apart by
+//! `struct_size`), 0.5 `CustomOptions_Get` appended to the table. `XLA_FFI_CallFrame.future` lies
+//! past the frame's `struct_size` in every version and is never touched.
 #![allow(non_camel_case_types, non_snake_case)]
 
 use std::ffi::{c_char, c_void};
 
-/// The FFI API version this library is written against.
+/// The API version the handlers report in the metadata handshake: the oldest whose structures they
+/// rely on. Hosts up to jaxlib 0.8.0 accept exactly 0.1; later ones accept 0.1 up to their own.
+pub const HANDLER_API_VERSION: (i32, i32) = (0, 1);
+/// The only major version there has been; a host with another is refused.
 pub const XLA_FFI_API_MAJOR: i32 = 0;
-pub const XLA_FFI_API_MINOR: i32 = 3;
 
 /// `offsetof(T, last_field) + sizeof(last_field)`, the C header's `XLA_FFI_STRUCT_SIZE`.
 macro_rules! struct_size {
@@ -134,12 +145,6 @@ pub struct XLA_FFI_Array {
     pub data: *mut c_void,
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct XLA_FFI_TypeId {
-    pub type_id: i64,
-}
-
 pub type XLA_FFI_ExecutionStage = i32;
 pub const XLA_FFI_EXECUTION_STAGE_INSTANTIATE: XLA_FFI_ExecutionStage = 0;
 pub const XLA_FFI_EXECUTION_STAGE_PREPARE: XLA_FFI_ExecutionStage = 1;
@@ -209,7 +214,6 @@ pub struct XLA_FFI_Metadata {
     pub struct_size: usize,
     pub api_version: XLA_FFI_Api_Version,
     pub traits: XLA_FFI_Handler_Traits,
-    pub state_type_id: XLA_FFI_TypeId,
 }
 
 #[repr(C)]
@@ -218,14 +222,38 @@ pub struct XLA_FFI_Metadata_Extension {
     pub metadata: *mut XLA_FFI_Metadata,
 }
 
+/// `XLA_FFI_Handler_Bundle` as of API 0.1-0.3 (0.4 appends `record`, which this library does not
+/// implement; hosts take the shorter struct, told apart by `XLA_FFI_Handler_Register_Args.struct_size`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct XLA_FFI_Handler_Bundle {
+    pub instantiate: Option<XLA_FFI_Handler>,
+    pub prepare: Option<XLA_FFI_Handler>,
+    pub initialize: Option<XLA_FFI_Handler>,
+    pub execute: Option<XLA_FFI_Handler>,
+}
+
+#[repr(C)]
+pub struct XLA_FFI_Handler_Register_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut XLA_FFI_Extension_Base,
+    pub name: XLA_FFI_ByteSpan,
+    pub platform: XLA_FFI_ByteSpan,
+    pub bundle: XLA_FFI_Handler_Bundle,
+    pub traits: XLA_FFI_Handler_Traits,
+}
+
 pub type XLA_FFI_Error_Create = unsafe extern "C" fn(*mut XLA_FFI_Error_Create_Args) -> *mut XLA_FFI_Error;
 pub type XLA_FFI_Error_GetMessage = unsafe extern "C" fn(*mut XLA_FFI_Error_GetMessage_Args);
 pub type XLA_FFI_Error_Destroy = unsafe extern "C" fn(*mut XLA_FFI_Error_Destroy_Args);
 pub type XLA_FFI_Stream_Get = unsafe extern "C" fn(*mut XLA_FFI_Stream_Get_Args) -> *mut XLA_FFI_Error;
+pub type XLA_FFI_Handler_Register = unsafe extern "C" fn(*mut XLA_FFI_Handler_Register_Args) -> *mut XLA_FFI_Error;
 /// A function-table entry this library never calls.
 pub type Unused = Option<unsafe extern "C" fn()>;
 
-/// The function table XLA passes in every call frame. Field order is the C header's.
+/// The function table XLA passes in every call frame. Field order is the C header's; the entries
+/// after `XLA_FFI_Stream_Get` moved between jaxlib 0.4.34 and 0.4.38 and lie past `struct_size`
+/// before jaxlib 0.6, so only the first five are ever called.
 #[repr(C)]
 pub struct XLA_FFI_Api {
     pub struct_size: usize,
@@ -235,7 +263,7 @@ pub struct XLA_FFI_Api {
     pub XLA_FFI_Error_Create: Option<XLA_FFI_Error_Create>,
     pub XLA_FFI_Error_GetMessage: Option<XLA_FFI_Error_GetMessage>,
     pub XLA_FFI_Error_Destroy: Option<XLA_FFI_Error_Destroy>,
-    pub XLA_FFI_Handler_Register: Unused,
+    pub XLA_FFI_Handler_Register: Option<XLA_FFI_Handler_Register>,
     pub XLA_FFI_Stream_Get: Option<XLA_FFI_Stream_Get>,
     pub XLA_FFI_Type_Register: Unused,
     pub XLA_FFI_ExecutionContext_Get: Unused,
@@ -280,4 +308,8 @@ pub fn error_create_args_struct_size() -> usize {
 }
 pub fn stream_get_args_struct_size() -> usize {
     struct_size!(XLA_FFI_Stream_Get_Args, stream)
+}
+/// 84 on LP64: the API 0.1-0.3 layout, which every host accepts (0.4+ hosts recognise it by size).
+pub fn handler_register_args_struct_size() -> usize {
+    struct_size!(XLA_FFI_Handler_Register_Args, traits)
 }

@@ -44,7 +44,9 @@ impl<'a> Call<'a> {
             }
             return Ok(Call::Metadata(ext));
         }
-        let api = &*raw.api;
+        let Some(api) = raw.api.as_ref() else {
+            return Err("the call frame has no XLA_FFI_Api table".into());
+        };
         if api.struct_size < api_struct_size_min() {
             return Err(format!(
                 "unexpected XLA_FFI_Api size: expected at least {}, got {}; check installed software versions",
@@ -54,13 +56,52 @@ impl<'a> Call<'a> {
         }
         if api.api_version.major_version != XLA_FFI_API_MAJOR {
             return Err(format!(
-                "XLA FFI API version {}.{} is not supported: this library speaks {}.{}",
-                api.api_version.major_version, api.api_version.minor_version, XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR
+                "XLA FFI API version {}.{} is not supported: this library speaks {}.x (from {}.{})",
+                api.api_version.major_version,
+                api.api_version.minor_version,
+                XLA_FFI_API_MAJOR,
+                HANDLER_API_VERSION.0,
+                HANDLER_API_VERSION.1
             ));
         }
+        check_arrays("operands", raw.args.size, &[raw.args.types as *const c_void, raw.args.args as *const c_void])?;
+        check_arrays("results", raw.rets.size, &[raw.rets.types as *const c_void, raw.rets.rets as *const c_void])?;
+        let attrs = &raw.attrs;
+        check_arrays(
+            "attributes",
+            attrs.size,
+            &[attrs.types as *const c_void, attrs.names as *const c_void, attrs.attrs as *const c_void],
+        )?;
         Ok(Call::Run(Frame { raw, api }))
     }
 }
+
+/// A frame's list of `size` entries is usable: no negative size, no missing array.
+fn check_arrays(what: &str, size: i64, arrays: &[*const c_void]) -> std::result::Result<(), String> {
+    if size < 0 {
+        return Err(format!("the call frame has a negative number of {what} ({size})"));
+    }
+    if size > 0 && arrays.iter().any(|a| a.is_null()) {
+        return Err(format!("the call frame has {size} {what} but a null array of them"));
+    }
+    Ok(())
+}
+
+/// The bytes of a span, or None when the span or its data is missing.
+///
+/// # Safety
+/// `span` is null or points at a byte span whose `ptr` addresses `len` bytes (or is null).
+unsafe fn byte_span<'b>(span: *const XLA_FFI_ByteSpan) -> Option<&'b [u8]> {
+    let span = span.as_ref()?;
+    match (span.ptr.is_null(), span.len) {
+        (_, 0) => Some(&[]),
+        (true, _) => None,
+        (false, len) => Some(std::slice::from_raw_parts(span.ptr as *const u8, len)),
+    }
+}
+
+/// The highest rank a buffer may have (every operand of the library has at most 5 dimensions).
+const MAX_RANK: i64 = 8;
 
 impl<'a> Frame<'a> {
     pub fn stage(&self) -> XLA_FFI_ExecutionStage {
@@ -127,10 +168,10 @@ impl<'a> Frame<'a> {
         let attrs = &self.raw.attrs;
         let mut names = Vec::new();
         for i in 0..attrs.size.max(0) as usize {
-            // SAFETY: i < size; XLA sizes the three arrays alike and names are byte spans.
+            // SAFETY: i < size; `decode` checked that the three arrays exist, and XLA sizes them
+            // alike; names are byte spans.
             let (ty, key, value) = unsafe {
-                let span = &**attrs.names.add(i);
-                let key = std::slice::from_raw_parts(span.ptr as *const u8, span.len);
+                let key = byte_span(*attrs.names.add(i)).unwrap_or_default();
                 (*attrs.types.add(i), key, *attrs.attrs.add(i))
             };
             if key == name.as_bytes() {
@@ -149,28 +190,34 @@ impl<'a> Frame<'a> {
         }
     }
 
+    /// The scalar attribute `name` (`kind` names what is expected, in errors), with its value's
+    /// address checked.
+    fn scalar(&self, name: &str, kind: &str) -> Result<(XLA_FFI_DataType, *const c_void)> {
+        let (ty, value) = self.attr(name)?;
+        if ty != XLA_FFI_ATTR_TYPE_SCALAR {
+            return Err(Error::invalid(format!("attribute `{name}`: expected {kind}, got {}", attr_type_name(ty))));
+        }
+        // SAFETY: a scalar attribute's entry is null or points at an XLA_FFI_Scalar.
+        match unsafe { (value as *const XLA_FFI_Scalar).as_ref() } {
+            Some(scalar) if !scalar.value.is_null() => Ok((scalar.dtype, scalar.value)),
+            _ => Err(Error::invalid(format!("attribute `{name}`: the scalar has no value"))),
+        }
+    }
+
     /// An integer attribute (a signed integer scalar of any width; `jax.ffi.ffi_call` makes Python
     /// ints i64 and NumPy ones their own width).
     pub fn attr_i64(&self, name: &str) -> Result<i64> {
-        let (ty, value) = self.attr(name)?;
-        if ty != XLA_FFI_ATTR_TYPE_SCALAR {
-            return Err(Error::invalid(format!(
-                "attribute `{name}`: expected an integer scalar, got {}",
-                attr_type_name(ty)
-            )));
-        }
-        // SAFETY: a scalar attribute points at an XLA_FFI_Scalar whose value has its dtype's size.
+        let (dtype, v) = self.scalar(name, "an integer scalar")?;
+        // SAFETY: the value has its dtype's size (alignment is not promised: read unaligned).
         unsafe {
-            let scalar = &*(value as *const XLA_FFI_Scalar);
-            let v = scalar.value;
-            match scalar.dtype {
-                XLA_FFI_DATA_TYPE_S8 => Ok(*(v as *const i8) as i64),
+            match dtype {
+                XLA_FFI_DATA_TYPE_S8 => Ok((v as *const i8).read() as i64),
                 XLA_FFI_DATA_TYPE_S16 => Ok((v as *const i16).read_unaligned() as i64),
                 XLA_FFI_DATA_TYPE_S32 => Ok((v as *const i32).read_unaligned() as i64),
                 XLA_FFI_DATA_TYPE_S64 => Ok((v as *const i64).read_unaligned()),
                 other => Err(Error::invalid(format!(
                     "attribute `{name}`: expected an integer scalar, got a {} scalar",
-                    DType::from_xla(other).name()
+                    dtype_from_xla(other).name()
                 ))),
             }
         }
@@ -178,44 +225,29 @@ impl<'a> Frame<'a> {
 
     /// A boolean attribute (an `i1`/PRED scalar, as `jax.ffi.ffi_call` encodes Python and NumPy bools).
     pub fn attr_bool(&self, name: &str) -> Result<bool> {
-        let (ty, value) = self.attr(name)?;
-        if ty != XLA_FFI_ATTR_TYPE_SCALAR {
-            return Err(Error::invalid(format!(
-                "attribute `{name}`: expected a bool scalar, got {}",
-                attr_type_name(ty)
-            )));
-        }
-        // SAFETY: a scalar attribute points at an XLA_FFI_Scalar.
-        let scalar = unsafe { &*(value as *const XLA_FFI_Scalar) };
-        if scalar.dtype != XLA_FFI_DATA_TYPE_PRED {
+        let (dtype, v) = self.scalar(name, "a bool scalar")?;
+        if dtype != XLA_FFI_DATA_TYPE_PRED {
             return Err(Error::invalid(format!(
                 "attribute `{name}`: expected a bool (pred) scalar, got a {} scalar",
-                DType::from_xla(scalar.dtype).name()
+                dtype_from_xla(dtype).name()
             )));
         }
         // SAFETY: a PRED scalar is one byte.
-        Ok(unsafe { *(scalar.value as *const u8) } != 0)
+        Ok(unsafe { (v as *const u8).read() } != 0)
     }
 
     /// A float attribute: an f32 scalar (what `jax.ffi.ffi_call` makes of `np.float32`), or an f64
     /// one (a Python float with x64 on), rounded to f32.
     pub fn attr_f32(&self, name: &str) -> Result<f32> {
-        let (ty, value) = self.attr(name)?;
-        if ty != XLA_FFI_ATTR_TYPE_SCALAR {
-            return Err(Error::invalid(format!(
-                "attribute `{name}`: expected a float scalar, got {}",
-                attr_type_name(ty)
-            )));
-        }
-        // SAFETY: a scalar attribute points at an XLA_FFI_Scalar whose value has its dtype's size.
+        let (dtype, v) = self.scalar(name, "a float scalar")?;
+        // SAFETY: the value has its dtype's size.
         unsafe {
-            let scalar = &*(value as *const XLA_FFI_Scalar);
-            match scalar.dtype {
-                XLA_FFI_DATA_TYPE_F32 => Ok((scalar.value as *const f32).read_unaligned()),
-                XLA_FFI_DATA_TYPE_F64 => Ok((scalar.value as *const f64).read_unaligned() as f32),
+            match dtype {
+                XLA_FFI_DATA_TYPE_F32 => Ok((v as *const f32).read_unaligned()),
+                XLA_FFI_DATA_TYPE_F64 => Ok((v as *const f64).read_unaligned() as f32),
                 other => Err(Error::invalid(format!(
                     "attribute `{name}`: expected an f32 scalar, got a {} scalar",
-                    DType::from_xla(other).name()
+                    dtype_from_xla(other).name()
                 ))),
             }
         }
@@ -227,9 +259,9 @@ impl<'a> Frame<'a> {
         if ty != XLA_FFI_ATTR_TYPE_STRING {
             return Err(Error::invalid(format!("attribute `{name}`: expected a string, got {}", attr_type_name(ty))));
         }
-        // SAFETY: a string attribute points at a byte span.
-        let span = unsafe { &*(value as *const XLA_FFI_ByteSpan) };
-        let bytes = unsafe { std::slice::from_raw_parts(span.ptr as *const u8, span.len) };
+        // SAFETY: a string attribute's entry is null or points at a byte span.
+        let bytes = unsafe { byte_span(value as *const XLA_FFI_ByteSpan) }
+            .ok_or_else(|| Error::invalid(format!("attribute `{name}`: the string has no data")))?;
         Ok(String::from_utf8_lossy(bytes).into_owned())
     }
 
@@ -255,6 +287,23 @@ impl<'a> Frame<'a> {
     }
 }
 
+/// The library's name for an XLA element type.
+pub fn dtype_from_xla(code: XLA_FFI_DataType) -> DType {
+    match code {
+        XLA_FFI_DATA_TYPE_F32 => DType::F32,
+        XLA_FFI_DATA_TYPE_BF16 => DType::BF16,
+        XLA_FFI_DATA_TYPE_F16 => DType::F16,
+        XLA_FFI_DATA_TYPE_F64 => DType::F64,
+        XLA_FFI_DATA_TYPE_PRED => DType::Pred,
+        XLA_FFI_DATA_TYPE_S8 => DType::S8,
+        XLA_FFI_DATA_TYPE_S16 => DType::S16,
+        XLA_FFI_DATA_TYPE_S32 => DType::S32,
+        XLA_FFI_DATA_TYPE_S64 => DType::S64,
+        XLA_FFI_DATA_TYPE_U8 => DType::U8,
+        other => DType::Other(other),
+    }
+}
+
 fn attr_type_name(ty: XLA_FFI_AttrType) -> &'static str {
     match ty {
         XLA_FFI_ATTR_TYPE_ARRAY => "an array",
@@ -277,13 +326,20 @@ unsafe fn buffer_to_tensor(buf: *const XLA_FFI_Buffer, what: &str, index: usize,
             buffer_struct_size()
         )));
     }
-    let rank = buf.rank.max(0) as usize;
-    let dims = if rank == 0 { Vec::new() } else { std::slice::from_raw_parts(buf.dims, rank).to_vec() };
-    Ok(Tensor { dtype: DType::from_xla(buf.dtype), dims, data: buf.data })
+    if !(0..=MAX_RANK).contains(&buf.rank) {
+        return Err(Error::invalid(format!("{what} {index} (`{name}`): rank {} is not in 0..={MAX_RANK}", buf.rank)));
+    }
+    if buf.rank > 0 && buf.dims.is_null() {
+        return Err(Error::invalid(format!("{what} {index} (`{name}`): rank {} but no dimensions", buf.rank)));
+    }
+    let dims =
+        if buf.rank == 0 { Vec::new() } else { std::slice::from_raw_parts(buf.dims, buf.rank as usize).to_vec() };
+    crate::ops::check_sizes(&format!("{what} {index}"), &[(name, &dims)])?;
+    Ok(Tensor { dtype: dtype_from_xla(buf.dtype), dims, data: buf.data })
 }
 
 /// Reads and destroys an error that XLA returned to us.
-fn take_error_message(api: &XLA_FFI_Api, err: *mut XLA_FFI_Error) -> String {
+pub(crate) fn take_error_message(api: &XLA_FFI_Api, err: *mut XLA_FFI_Error) -> String {
     let mut msg = String::from("(no message)");
     if let Some(get) = api.XLA_FFI_Error_GetMessage {
         let mut args = XLA_FFI_Error_GetMessage_Args {

@@ -3,8 +3,10 @@
 
 use super::ffi::*;
 use super::frame::{make_error, Call, Frame};
+use super::{conv1d, mamba_decode, selective_scan, ssd, state_update};
 use crate::error::{Error, Result};
-use crate::ops::{selective_scan, ssd, Platform};
+use crate::ops::conv1d::Kind;
+use crate::ops::Platform;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// Runs `body` for one XLA call. Nothing unwinds out of here: a panic becomes an INTERNAL error.
@@ -24,22 +26,26 @@ pub unsafe fn run_handler(
         let api_ptr = raw.api;
         let fail = |e: Error| match api_ptr.as_ref() {
             Some(api) => make_error(api, &e),
-            None => std::ptr::null_mut(),
+            None => {
+                // No table to make an error with: say it where a person can see it.
+                eprintln!("xla_ssm: {e}");
+                std::ptr::null_mut()
+            }
         };
         match Call::decode(raw) {
             Err(msg) => fail(Error::invalid(msg)),
             Ok(Call::Metadata(ext)) => {
+                // Only the fields of API 0.1 are written: hosts pass a 0.1-sized metadata struct
+                // (the later `state_type_id` is value-initialised by XLA and lies past its size).
                 let metadata = &mut *ext.metadata;
+                let (major_version, minor_version) = HANDLER_API_VERSION;
                 metadata.api_version = XLA_FFI_Api_Version {
                     struct_size: api_version_struct_size(),
                     extension_start: std::ptr::null_mut(),
-                    major_version: XLA_FFI_API_MAJOR,
-                    minor_version: XLA_FFI_API_MINOR,
+                    major_version,
+                    minor_version,
                 };
                 metadata.traits = traits;
-                if metadata.struct_size >= std::mem::size_of::<XLA_FFI_Metadata>() {
-                    metadata.state_type_id = XLA_FFI_TypeId { type_id: 0 };
-                }
                 std::ptr::null_mut()
             }
             Ok(Call::Run(frame)) => {
@@ -165,7 +171,6 @@ pub unsafe extern "C" fn xla_ssm_ssd_bwd_cuda(call_frame: *mut XLA_FFI_CallFrame
 
 // ---- Decode-time targets (docs/decode.md). In-place operands are aliased to their results with
 // `input_output_aliases`; without the alias the handler copies the operand into the result first.
-use crate::ops::{conv1d, mamba_decode, state_update};
 
 /// XLA FFI handler of `xla_ssm_selective_state_update` (selective state update (one decode token, state in place)) for platform "cpu".
 ///
@@ -196,7 +201,7 @@ pub unsafe extern "C" fn xla_ssm_selective_state_update_cuda(call_frame: *mut XL
 /// Called by XLA with a valid call frame.
 #[no_mangle]
 pub unsafe extern "C" fn xla_ssm_causal_conv1d_fwd_cpu(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
-    run_handler(call_frame, 0, |frame| conv1d::from_frame(frame, Platform::Cpu, conv1d::Kind::Fwd))
+    run_handler(call_frame, 0, |frame| conv1d::from_frame(frame, Platform::Cpu, Kind::Fwd))
 }
 
 /// XLA FFI handler of `xla_ssm_causal_conv1d_fwd` for platform "CUDA". Runs on XLA's stream, allocates
@@ -209,7 +214,7 @@ pub unsafe extern "C" fn xla_ssm_causal_conv1d_fwd_cpu(call_frame: *mut XLA_FFI_
 pub unsafe extern "C" fn xla_ssm_causal_conv1d_fwd_cuda(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
     run_handler(call_frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, |frame| {
         let stream = frame.stream()?;
-        conv1d::from_frame(frame, Platform::Cuda { stream }, conv1d::Kind::Fwd)
+        conv1d::from_frame(frame, Platform::Cuda { stream }, Kind::Fwd)
     })
 }
 
@@ -219,7 +224,7 @@ pub unsafe extern "C" fn xla_ssm_causal_conv1d_fwd_cuda(call_frame: *mut XLA_FFI
 /// Called by XLA with a valid call frame.
 #[no_mangle]
 pub unsafe extern "C" fn xla_ssm_causal_conv1d_bwd_cpu(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
-    run_handler(call_frame, 0, |frame| conv1d::from_frame(frame, Platform::Cpu, conv1d::Kind::Bwd))
+    run_handler(call_frame, 0, |frame| conv1d::from_frame(frame, Platform::Cpu, Kind::Bwd))
 }
 
 /// XLA FFI handler of `xla_ssm_causal_conv1d_bwd` for platform "CUDA". Runs on XLA's stream, allocates
@@ -232,7 +237,7 @@ pub unsafe extern "C" fn xla_ssm_causal_conv1d_bwd_cpu(call_frame: *mut XLA_FFI_
 pub unsafe extern "C" fn xla_ssm_causal_conv1d_bwd_cuda(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
     run_handler(call_frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, |frame| {
         let stream = frame.stream()?;
-        conv1d::from_frame(frame, Platform::Cuda { stream }, conv1d::Kind::Bwd)
+        conv1d::from_frame(frame, Platform::Cuda { stream }, Kind::Bwd)
     })
 }
 
@@ -242,7 +247,7 @@ pub unsafe extern "C" fn xla_ssm_causal_conv1d_bwd_cuda(call_frame: *mut XLA_FFI
 /// Called by XLA with a valid call frame.
 #[no_mangle]
 pub unsafe extern "C" fn xla_ssm_causal_conv1d_update_cpu(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
-    run_handler(call_frame, 0, |frame| conv1d::from_frame(frame, Platform::Cpu, conv1d::Kind::Update))
+    run_handler(call_frame, 0, |frame| conv1d::from_frame(frame, Platform::Cpu, Kind::Update))
 }
 
 /// XLA FFI handler of `xla_ssm_causal_conv1d_update` for platform "CUDA". Runs on XLA's stream, allocates
@@ -255,7 +260,7 @@ pub unsafe extern "C" fn xla_ssm_causal_conv1d_update_cpu(call_frame: *mut XLA_F
 pub unsafe extern "C" fn xla_ssm_causal_conv1d_update_cuda(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
     run_handler(call_frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, |frame| {
         let stream = frame.stream()?;
-        conv1d::from_frame(frame, Platform::Cuda { stream }, conv1d::Kind::Update)
+        conv1d::from_frame(frame, Platform::Cuda { stream }, Kind::Update)
     })
 }
 

@@ -1,7 +1,7 @@
 /* A C host of the plain C API (include/xla_ssm.h): runs small f32 problems through
  * xla_ssm_selective_scan_fwd_host, checks them against a naive loop written here from
  * docs/selective_scan_fwd.md, checks that bad calls are refused with a message, and prints "c api ok".
- * Built and run by tests/c_api.rs. */
+ * Built and run by tests/suite/c_api.rs. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -13,3 +13,10 @@ if str(_bindings) not in sys.path:
 _flag = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "compat: the smoke subset scripts/compat.sh runs under every supported JAX version",
+    )

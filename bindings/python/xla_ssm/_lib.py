@@ -87,6 +87,8 @@ def load() -> ctypes.CDLL:
             sizer.restype = ctypes.c_int64
             # (batch, seqlen, heads, headdim, dstate, groups, chunk_size, dtype code)
             sizer.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int32]
+        lib.xla_ssm_last_error.restype = ctypes.c_char_p
+        lib.xla_ssm_last_error.argtypes = []
         chunk_dtype = getattr(lib, "xla_ssm_ssd_chunk_states_dtype", None)
         if chunk_dtype is None:
             raise OSError(f"xla_ssm: {path} does not export xla_ssm_ssd_chunk_states_dtype")
@@ -110,6 +112,16 @@ def load() -> ctypes.CDLL:
         _path = path
         _lib = lib
         return lib
+
+
+def workspace_bytes(sizer: str, *sizes: int) -> int:
+    """Bytes of device workspace from the library's `sizer` (e.g. "xla_ssm_ssd_fwd_workspace_bytes");
+    a shape the library refuses raises ValueError with its reason."""
+    lib = load()
+    n = getattr(lib, sizer)(*sizes)
+    if n < 0:
+        raise ValueError(f"xla_ssm: {lib.xla_ssm_last_error().decode(errors='replace')}")
+    return n
 
 
 def registered_platforms(target: str = "xla_ssm_selective_scan_fwd") -> tuple[str, ...]:

@@ -31,8 +31,8 @@ FWD = "xla_ssm_selective_scan_fwd"
 BWD = "xla_ssm_selective_scan_bwd"
 # The forward saves the state entering every CHECKPOINT_LEN-th step for the backward (a multiple
 # of 32, docs/selective_scan_bwd.md): residuals of batch*dim*dstate*ceil(seqlen/32) f32, as large as
-# a bf16 u when dstate is 16. 32 spares the CUDA backward a recompute pass: 8% faster than 64 on the
-# H100 (BENCHMARKS.md); 64 halves the memory.
+# a bf16 u when dstate is 16. 32 spares the CUDA backward a recompute pass (H100, backward kernel:
+# 2172 us at 32 against 2404 at 64); 64 halves the memory.
 CHECKPOINT_LEN = 32
 _F32 = jnp.dtype(jnp.float32)
 
@@ -137,19 +137,18 @@ def _raw(call: _Call, *ops):
     attrs = _attrs(cfg)
     n_ck = -(-seqlen // call.checkpoint_len) if call.checkpoint_len else 0
     if call.kind == "fwd":
-        lib = _lib.load()
         results = [jax.ShapeDtypeStruct(u.shape, u.dtype), jax.ShapeDtypeStruct((batch, dim, dstate), _F32)]
         if call.checkpoint_len:
             attrs["checkpoint_len"] = np.int64(call.checkpoint_len)
             results.append(jax.ShapeDtypeStruct((batch, dim, n_ck, dstate), _F32))
-        ws = lib.xla_ssm_selective_scan_fwd_workspace_bytes(batch, dim, seqlen, dstate)
+        ws = _lib.workspace_bytes("xla_ssm_selective_scan_fwd_workspace_bytes", batch, dim, seqlen, dstate)
         return _ffi(FWD, results, ws, ops, attrs)
-    lib = _lib.require(BWD)
+    _lib.require(BWD)
     attrs["checkpoint_len"] = np.int64(call.checkpoint_len)
     attrs["has_dfinal_state"] = np.bool_(call.has_dfinal_state)
     n = len(_param_roles(cfg))
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ops[:n]]  # gradients: primal shapes and dtypes
-    ws = lib.xla_ssm_selective_scan_bwd_workspace_bytes(batch, dim, seqlen, dstate, groups)
+    ws = _lib.workspace_bytes("xla_ssm_selective_scan_bwd_workspace_bytes", batch, dim, seqlen, dstate, groups)
     return _ffi(BWD, results, ws, ops, attrs)
 
 

@@ -127,11 +127,11 @@ def _raw(call: _Call, *ops):
             # and shard (it depends on headdim, dstate, chunk_size and the dtype only).
             chunk_dtype = _FLOATS[lib.xla_ssm_ssd_chunk_states_dtype(headdim, dstate, cfg.chunk_size, code)]
             results.append(jax.ShapeDtypeStruct((batch, heads, headdim, n_chunks, dstate), chunk_dtype))
-        ws = lib.xla_ssm_ssd_fwd_workspace_bytes(*shape)
+        ws = _lib.workspace_bytes("xla_ssm_ssd_fwd_workspace_bytes", *shape)
         return _ffi(FWD, results, ws, ops, _attrs(call))
     n = len(_param_roles(cfg))
     results = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in ops[:n]]  # gradients: primal shapes and dtypes
-    ws = lib.xla_ssm_ssd_bwd_workspace_bytes(*shape)
+    ws = _lib.workspace_bytes("xla_ssm_ssd_bwd_workspace_bytes", *shape)
     return _ffi(BWD, results, ws, ops, _attrs(call))
 
 

@@ -8,20 +8,14 @@
 //! The update op runs the same recurrence token by token from `conv_state` (the last W - 1 inputs,
 //! oldest first) and leaves the newest W - 1 inputs there, in place.
 
-use super::args::{self, Alias};
+use super::alias::{self, Alias};
+use super::buffers::check_buffers;
 use super::selective_scan::Layout;
 use super::state_update::{check_indices_host, opt_ptr, slots};
 use super::{expect, expect_dtype, expect_nonnull, fmt_dims, Platform, Tensor};
 use crate::error::{Error, Result};
-use crate::xla::frame::Frame;
 use crate::DType;
 use std::ffi::c_void;
-
-mod cpu;
-#[cfg(feature = "cuda")]
-mod cuda;
-
-pub use cpu::update_values;
 
 pub const MIN_WIDTH: i64 = 2;
 pub const MAX_WIDTH: i64 = 4;
@@ -46,8 +40,8 @@ impl Kind {
     }
 }
 
-/// Kernel parameters of all three, mirrored by `ConvParams` in `kernels/decode.cuh`. Unused and
-/// absent operands are null; strides (elements) address x, out, dout and dx alike.
+/// Kernel parameters of all three; generated into kernels/params.h. Unused and absent operands are
+/// null; strides (elements) address x, out, dout and dx alike.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct ConvParams {
@@ -76,8 +70,6 @@ pub struct ConvParams {
     pub silu: i32,
     pub _reserved: i32,
 }
-
-const _: () = assert!(std::mem::size_of::<ConvParams>() == 11 * 8 + 8 * 8 + 8);
 
 /// A validated call of one of the three.
 #[derive(Debug, Clone, Copy)]
@@ -204,7 +196,7 @@ pub fn validate(a: &ConvArgs) -> Result<Conv> {
         )?;
         expect_nonnull(cs, &format!("{op}: `conv_state`"))?;
         expect_nonnull(cs_out, &format!("{op}: `conv_state` (result)"))?;
-        alias = args::alias(op, "conv_state", cs, cs_out)?;
+        alias = alias::alias(op, "conv_state", cs, cs_out)?;
         state_in = cs.data as *const c_void;
         conv_state = cs_out.data;
     }
@@ -225,6 +217,24 @@ pub fn validate(a: &ConvArgs) -> Result<Conv> {
             expect_nonnull(t, &format!("{op}: `{name}`"))?;
         }
     }
+    let (cs, cs_out) = (a.conv_state.map(|c| c.0), a.conv_state.map(|c| c.1));
+    let operands = [
+        ("x", Some(x)),
+        ("weight", Some(a.weight)),
+        ("bias", a.bias),
+        ("initial_states", a.initial_states),
+        ("dout", a.dout),
+        ("conv_state", cs),
+        ("state_batch_indices", a.state_batch_indices),
+    ];
+    let results = [
+        (out_name, Some(a.out)),
+        ("conv_state", cs_out),
+        ("dweight", a.dweight),
+        ("dbias", a.dbias),
+        ("dinitial_states", a.dinitial_states),
+    ];
+    check_buffers(op, &operands, &results)?;
     let (x_stride_batch, x_stride_dim, x_stride_seq) = match a.layout {
         Layout::ChannelFirst => (dim * seqlen, seqlen, 1),
         Layout::ChannelLast => (seqlen * dim, 1, dim),
@@ -273,95 +283,15 @@ pub fn run(conv: &Conv, platform: Platform) -> Result<()> {
                     };
                 }
             }
-            cpu::run(conv);
+            crate::cpu::conv1d::run(conv);
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        Platform::Cuda { stream } => cuda::run(conv, stream),
+        Platform::Cuda { stream } => crate::cuda::conv1d::run(conv, stream),
         #[cfg(not(feature = "cuda"))]
         Platform::Cuda { .. } => Err(Error::Unimplemented(format!(
             "{}: this build of xla-ssm has no CUDA support (built without the `cuda` feature)",
             conv.kind.name()
         ))),
     }
-}
-
-/// The XLA handlers' body, for each of the three.
-pub fn from_frame(frame: &Frame, platform: Platform, kind: Kind) -> Result<()> {
-    let op = kind.name();
-    let pre = args::prefixed(op);
-    let silu = frame.attr_bool("silu").map_err(&pre)?;
-    let layout = parse_layout(op, &frame.attr_str("layout").map_err(&pre)?)?;
-    let conv = match kind {
-        Kind::Fwd => {
-            let (req, opt) = args::operands(frame, op, &["x", "weight"], &["bias", "initial_states"])?;
-            let rets = args::results(frame, op, &["out"])?;
-            validate(&ConvArgs {
-                kind,
-                x: &req[0],
-                weight: &req[1],
-                bias: opt[0].as_ref(),
-                initial_states: opt[1].as_ref(),
-                dout: None,
-                conv_state: None,
-                state_batch_indices: None,
-                out: &rets[0],
-                dweight: None,
-                dbias: None,
-                dinitial_states: None,
-                silu,
-                layout,
-            })?
-        }
-        Kind::Bwd => {
-            let (req, opt) = args::operands(frame, op, &["x", "weight", "dout"], &["bias", "initial_states"])?;
-            let mut names = vec!["dx", "dweight"];
-            if opt[0].is_some() {
-                names.push("dbias");
-            }
-            if opt[1].is_some() {
-                names.push("dinitial_states");
-            }
-            let rets = args::results(frame, op, &names)?;
-            let find = |n: &str| names.iter().position(|m| *m == n).map(|i| &rets[i]);
-            validate(&ConvArgs {
-                kind,
-                x: &req[0],
-                weight: &req[1],
-                bias: opt[0].as_ref(),
-                initial_states: opt[1].as_ref(),
-                dout: Some(&req[2]),
-                conv_state: None,
-                state_batch_indices: None,
-                out: &rets[0],
-                dweight: Some(&rets[1]),
-                dbias: find("dbias"),
-                dinitial_states: find("dinitial_states"),
-                silu,
-                layout,
-            })?
-        }
-        Kind::Update => {
-            let (req, opt) =
-                args::operands(frame, op, &["x", "conv_state", "weight"], &["bias", "state_batch_indices"])?;
-            let rets = args::results(frame, op, &["out", "conv_state"])?;
-            validate(&ConvArgs {
-                kind,
-                x: &req[0],
-                weight: &req[2],
-                bias: opt[0].as_ref(),
-                initial_states: None,
-                dout: None,
-                conv_state: Some((&req[1], &rets[1])),
-                state_batch_indices: opt[1].as_ref(),
-                out: &rets[0],
-                dweight: None,
-                dbias: None,
-                dinitial_states: None,
-                silu,
-                layout,
-            })?
-        }
-    };
-    run(&conv, platform)
 }

@@ -9,20 +9,22 @@
 //! then selective_state_update); this fused target fits layers whose dt, B, C do not depend on the conv
 //! output (as in Mamba-2, where in_proj produces them).
 
-use super::args::{self, Alias};
+use super::alias::Alias;
+use super::buffers::check_buffers;
 use super::conv1d::{self, ConvArgs, Kind};
 use super::selective_scan::Layout;
 use super::state_update::{self, check_indices_host, UpdateArgs, UpdateParams};
 use super::{Platform, Tensor};
 use crate::error::{Error, Result};
-use crate::xla::frame::Frame;
 use std::ffi::c_void;
 
-/// Kernel parameters, mirrored by `DecodeParams` in `kernels/decode.cuh`.
+/// Kernel parameters of the fused step; generated into kernels/params.h.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct DecodeParams {
+    /// `ssm.x` is the conv's input.
     pub ssm: UpdateParams,
+    /// (n_slots, dim, width - 1), dtype of x, updated in place.
     pub conv_state: *mut c_void,
     pub conv_weight: *const c_void,
     pub conv_bias: *const c_void,
@@ -56,17 +58,19 @@ pub struct Decode {
     pub update: state_update::Update,
 }
 
-const OP: &str = "mamba_decode_step";
+pub const OP: &str = "mamba_decode_step";
 
+/// The fused step validates through `selective_state_update` and `causal_conv1d_update`: their
+/// messages, in this op's names.
 fn rename(e: Error) -> Error {
     match e {
         Error::InvalidArgument(m) => Error::InvalidArgument(
             m.replacen("selective_state_update:", &format!("{OP}:"), 1)
                 .replacen("causal_conv1d_update:", &format!("{OP}:"), 1)
-                .replace("operand `weight`", "operand `conv_weight`")
-                .replace("operand `bias`", "operand `conv_bias`")
-                .replace("operand `state`", "operand `ssm_state`")
-                .replace("result `state`", "result `ssm_state`"),
+                .replace("`weight", "`conv_weight")
+                .replace("`bias", "`conv_bias")
+                .replace("`state`", "`ssm_state`")
+                .replace("`state (", "`ssm_state ("),
         ),
         other => other,
     }
@@ -113,6 +117,23 @@ pub fn validate(a: &DecodeArgs) -> Result<Decode> {
             conv.params.n_slots, update.params.n_slots
         )));
     }
+    let operands = [
+        ("x", Some(a.x)),
+        ("conv_state", Some(a.conv_state)),
+        ("conv_weight", Some(a.conv_weight)),
+        ("conv_bias", a.conv_bias),
+        ("ssm_state", Some(a.ssm_state)),
+        ("dt", Some(a.dt)),
+        ("A", Some(a.a)),
+        ("B", Some(a.b)),
+        ("C", Some(a.c)),
+        ("D", a.d),
+        ("z", a.z),
+        ("dt_bias", a.dt_bias),
+        ("state_batch_indices", a.state_batch_indices),
+    ];
+    let results = [("out", Some(a.out)), ("conv_state", Some(a.conv_state_out)), ("ssm_state", Some(a.ssm_state_out))];
+    check_buffers(OP, &operands, &results)?;
     Ok(Decode { conv, update })
 }
 
@@ -136,71 +157,14 @@ pub fn run(step: &Decode, platform: Platform) -> Result<()> {
                 let bytes = state_update::state_bytes(&u.params, u.state_dtype);
                 unsafe { std::ptr::copy_nonoverlapping(u.state_in as *const u8, u.params.state as *mut u8, bytes) };
             }
-            let xc = conv1d::update_values(c);
-            state_update::update_row(u, &xc);
+            crate::cpu::mamba_decode::step(c, u);
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        Platform::Cuda { stream } => {
-            use crate::cuda::copy_async;
-            if c.alias == Alias::Copy {
-                let bytes = c.params.n_slots * c.params.dim * (c.params.width - 1) * c.dtype.size_bytes();
-                copy_async(stream, c.params.conv_state, c.state_in, bytes as usize)?;
-            }
-            if u.alias == Alias::Copy {
-                copy_async(stream, u.params.state, u.state_in, state_update::state_bytes(&u.params, u.state_dtype))?;
-            }
-            let mut ssm = u.params;
-            if ssm.batch * ssm.dim == 0 {
-                return Ok(());
-            }
-            let (config, form) = state_update::cuda::geometry(&mut ssm, u.state_dtype, Some(c.params.width));
-            let params = DecodeParams {
-                ssm,
-                conv_state: c.params.conv_state,
-                conv_weight: c.params.weight,
-                conv_bias: c.params.bias,
-                width: c.params.width,
-            };
-            let types: [crate::DType; 4] = [u.dtype, u.bc_dtype, u.state_dtype, c.weight_dtype];
-            let kernel = format!("mamba_decode_step_{}{form}", state_update::cuda::type_suffix(&types));
-            crate::cuda::launch(stream, "selective_state_update", &kernel, config, &params)
-        }
+        Platform::Cuda { stream } => crate::cuda::mamba_decode::step(c, u, stream),
         #[cfg(not(feature = "cuda"))]
         Platform::Cuda { .. } => Err(Error::Unimplemented(format!(
             "{OP}: this build of xla-ssm has no CUDA support (built without the `cuda` feature)"
         ))),
     }
-}
-
-/// The XLA handler's body.
-pub fn from_frame(frame: &Frame, platform: Platform) -> Result<()> {
-    let dt_softplus = frame.attr_bool("dt_softplus").map_err(args::prefixed(OP))?;
-    let (req, opt) = args::operands(
-        frame,
-        OP,
-        &["x", "conv_state", "conv_weight", "ssm_state", "dt", "A", "B", "C"],
-        &["conv_bias", "D", "z", "dt_bias", "state_batch_indices"],
-    )?;
-    let rets = args::results(frame, OP, &["out", "conv_state", "ssm_state"])?;
-    let step = validate(&DecodeArgs {
-        x: &req[0],
-        conv_state: &req[1],
-        conv_weight: &req[2],
-        conv_bias: opt[0].as_ref(),
-        ssm_state: &req[3],
-        dt: &req[4],
-        a: &req[5],
-        b: &req[6],
-        c: &req[7],
-        d: opt[1].as_ref(),
-        z: opt[2].as_ref(),
-        dt_bias: opt[3].as_ref(),
-        state_batch_indices: opt[4].as_ref(),
-        out: &rets[0],
-        conv_state_out: &rets[1],
-        ssm_state_out: &rets[2],
-        dt_softplus,
-    })?;
-    run(&step, platform)
 }

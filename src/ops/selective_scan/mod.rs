@@ -7,18 +7,11 @@
 //! [`validate_bwd`] shares its checks of the inputs and adds those of the checkpoints, cotangents and
 //! gradients ([`BwdParams`] embeds the forward's parameters); [`run_bwd`] runs it.
 
-use super::{expect, expect_dtype, expect_nonnull, Platform, Tensor};
+use super::buffers::{check_buffers, Named};
+use super::{check_elements, expect, expect_dtype, expect_nonnull, Platform, Tensor};
 use crate::error::{Error, Result};
-use crate::xla::frame::Frame;
 use crate::DType;
 use std::ffi::c_void;
-
-mod cpu;
-mod cpu_bwd;
-#[cfg(feature = "cuda")]
-mod cuda;
-#[cfg(feature = "cuda")]
-mod cuda_bwd;
 
 /// Largest supported state size (the CUDA kernel spreads it over at most 32 lanes of 8 states).
 pub const MAX_DSTATE: i64 = 256;
@@ -57,6 +50,23 @@ pub struct Inputs<'a> {
     pub layout: Layout,
 }
 
+impl<'a> Inputs<'a> {
+    /// The operands by name, for the checks every call's buffers get.
+    fn named(&self) -> Vec<Named<'a>> {
+        vec![
+            ("u", Some(self.u)),
+            ("delta", Some(self.delta)),
+            ("A", Some(self.a)),
+            ("B", Some(self.b)),
+            ("C", Some(self.c)),
+            ("D", self.d),
+            ("z", self.z),
+            ("delta_bias", self.delta_bias),
+            ("initial_state", self.initial_state),
+        ]
+    }
+}
+
 /// The operands of one forward call, as the host describes them.
 pub struct FwdArgs<'a> {
     pub inputs: Inputs<'a>,
@@ -71,10 +81,11 @@ pub struct FwdArgs<'a> {
     pub workspace: Option<&'a Tensor>,
 }
 
-/// Kernel parameters, passed by value to the CUDA kernel: mirrored field for field by
-/// `SelectiveScanFwdParams` in `kernels/selective_scan_fwd.cu`. Absent optional operands are null.
-/// Strides are in elements. Channel `d` reads B/C at
+/// Kernel parameters, passed by value to the CUDA kernel; generated into kernels/params.h as
+/// `SelectiveScanFwdParams`. Absent optional operands are null. Strides are in elements. Channel `d`
+/// reads B/C at
 /// `b * bc_stride_batch + (d / dim_per_group) * bc_stride_group + n * bc_stride_state + l * bc_stride_seq`.
+/// cbindgen:field-names=[u, delta, A, B, C, D, z, delta_bias, initial_state, out, final_state, batch, dim, seqlen, dstate, dim_per_group, x_stride_batch, x_stride_dim, x_stride_seq, bc_stride_batch, bc_stride_group, bc_stride_state, bc_stride_seq, delta_softplus, _reserved, workspace, chunk_len, n_chunks, checkpoints, checkpoint_len]
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct FwdParams {
@@ -103,18 +114,16 @@ pub struct FwdParams {
     pub bc_stride_seq: i64,
     pub delta_softplus: i32,
     pub _reserved: i32,
-    /// Sequence split (CUDA tiled kernel): per-chunk records, [n_chunks - 1][batch][dim][dstate + 1] f32.
+    /// Sequence split (CUDA tiled kernel): chunks of `chunk_len` steps, per-chunk records (state, sum
+    /// of dt), `[n_chunks - 1][batch][dim][dstate + 1]` f32. `n_chunks` == 1: no split.
     pub workspace: *mut f32,
     pub chunk_len: i64,
     pub n_chunks: i64,
-    /// f32 (batch, dim, n_checkpoints, dstate): the state entering every `checkpoint_len`-th step
-    /// (null and 0: none).
+    /// f32 (batch, dim, n_checkpoints, dstate): the state entering every `checkpoint_len`-th step, a
+    /// multiple of [`CHECKPOINT_MULTIPLE`] (null and 0: none). Residuals for the backward pass.
     pub checkpoints: *mut f32,
     pub checkpoint_len: i64,
 }
-
-// The CUDA mirror asserts the same size.
-const _: () = assert!(std::mem::size_of::<FwdParams>() == 11 * 8 + 12 * 8 + 8 + 3 * 8 + 2 * 8);
 
 /// A validated forward call.
 #[derive(Debug, Clone, Copy)]
@@ -180,7 +189,7 @@ pub const SPLIT_MIN_CHUNK: i64 = 64;
 /// when there are fewer than [`FWD_SPLIT_TARGET_BLOCKS`] / 2 tiles of channels; depends on the shape
 /// alone, so that a host can size the workspace before it knows the device. As many chunks as fit
 /// the target in one wave: one more (a second wave of a few blocks) cost 8% at 1 x 4096 x 16384
-/// (BENCHMARKS.md).
+/// (H100: 9 chunks 1027 us against 8 chunks 949).
 pub fn split_plan(batch: i64, dim: i64, seqlen: i64) -> (i64, i64) {
     let tiles = batch * ((dim + TILE_CHANNELS - 1) / TILE_CHANNELS);
     if tiles == 0 || 2 * tiles >= FWD_SPLIT_TARGET_BLOCKS || seqlen < 2 * SPLIT_MIN_CHUNK {
@@ -214,14 +223,14 @@ pub fn n_checkpoints(seqlen: i64, checkpoint_len: i64) -> i64 {
     if checkpoint_len <= 0 {
         0
     } else {
-        (seqlen + checkpoint_len - 1) / checkpoint_len
+        seqlen / checkpoint_len + i64::from(seqlen % checkpoint_len != 0)
     }
 }
 
 /// Longest checkpoint_len the CUDA backward takes (a chunk's tile starts live in shared memory).
 pub const BWD_MAX_CHECKPOINT_LEN: i64 = 256;
 /// Threads of a CUDA backward block (`kBwdThreads`).
-pub(super) const BWD_THREADS: i64 = 128;
+pub const BWD_THREADS: i64 = 128;
 
 /// How the CUDA backward blocks a problem (kernels/selective_scan_bwd.cu), which sizes its workspace.
 #[derive(Debug, Clone, Copy)]
@@ -323,7 +332,8 @@ fn validate_inputs(op: &str, args: &Inputs) -> Result<Checked> {
         Layout::ChannelLast => "[batch, seqlen, dim]",
     };
     let u = args.u;
-    if u.dims.len() != 3 || u.dims.iter().any(|&x| x < 0) {
+    check_elements(&format!("{op}: operand `u`"), &u.dims)?;
+    if u.dims.len() != 3 {
         return Err(Error::invalid(format!(
             "{op}: operand `u`: expected rank 3 {x_meaning}, got shape {}",
             super::fmt_dims(&u.dims)
@@ -458,7 +468,7 @@ fn validate_inputs(op: &str, args: &Inputs) -> Result<Checked> {
 }
 
 /// `checkpoint_len`: a positive multiple of [`CHECKPOINT_MULTIPLE`], or 0 (none) where `optional`.
-fn validate_checkpoint_len(op: &str, checkpoint_len: i64, optional: bool) -> Result<()> {
+pub fn validate_checkpoint_len(op: &str, checkpoint_len: i64, optional: bool) -> Result<()> {
     let valid = (checkpoint_len > 0 || (optional && checkpoint_len == 0)) && checkpoint_len % CHECKPOINT_MULTIPLE == 0;
     if !valid {
         let want = if optional { "0 (no checkpoints) or a positive multiple" } else { "a positive multiple" };
@@ -509,6 +519,13 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
         op,
         &[(Some(args.out), "out"), (Some(args.final_state), "final_state"), (args.checkpoints, "checkpoints")],
     )?;
+    let results = [
+        ("out", Some(args.out)),
+        ("final_state", Some(args.final_state)),
+        ("checkpoints", args.checkpoints),
+        ("workspace", args.workspace),
+    ];
+    check_buffers(op, &args.inputs.named(), &results)?;
     let params = FwdParams {
         out: args.out.data,
         final_state: args.final_state.data as *mut f32,
@@ -525,11 +542,11 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
 pub fn run_fwd(fwd: &Fwd, platform: Platform) -> Result<()> {
     match platform {
         Platform::Cpu => {
-            cpu::fwd(fwd);
+            crate::cpu::selective_scan::fwd(fwd);
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        Platform::Cuda { stream } => cuda::fwd(fwd, stream),
+        Platform::Cuda { stream } => crate::cuda::selective_scan::fwd(fwd, stream),
         #[cfg(not(feature = "cuda"))]
         Platform::Cuda { .. } => Err(no_cuda("selective_scan_fwd")),
     }
@@ -564,10 +581,11 @@ pub struct BwdArgs<'a> {
     pub workspace: Option<&'a Tensor>,
 }
 
-/// Kernel parameters of the backward, passed by value to the CUDA kernel: mirrored field for field
-/// by the kernel. `fwd` holds the inputs as [`validate_fwd`] lays them out, with null `out` and
-/// `final_state`, the `checkpoints` operand, the backward's workspace and one chunk (`chunk_len` =
-/// seqlen). Absent optional operands and gradients are null.
+/// Kernel parameters of the backward, passed by value to the CUDA kernel; generated into
+/// kernels/params.h as `SelectiveScanBwdParams`. `fwd` holds the inputs as [`validate_fwd`] lays them
+/// out, with null `out` and `final_state`, the `checkpoints` operand, the backward's workspace (its
+/// partial sums) and one chunk (`chunk_len` = seqlen). Absent optional operands and gradients are null.
+/// cbindgen:field-names=[fwd, dout, dfinal_state, du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state]
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct BwdParams {
@@ -585,7 +603,21 @@ pub struct BwdParams {
     pub dinitial_state: *mut f32,
 }
 
-const _: () = assert!(std::mem::size_of::<BwdParams>() == std::mem::size_of::<FwdParams>() + 11 * 8);
+/// Parameters of the backward's reductions, which sum the tiled kernel's partials; generated into
+/// kernels/params.h as `SelectiveScanBwdReduceParams`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct BwdReduceParams {
+    pub q: BwdParams,
+    /// Blocks of the tiled kernel per (batch row, group).
+    pub tiles_per_group: i64,
+    /// Floats of each of the dB and dC partials.
+    pub bc_part: i64,
+    /// Groups of time-varying B/C (dim may be 0).
+    pub groups: i64,
+    pub varying_bc: i32,
+    pub _reserved: i32,
+}
 
 /// A validated backward call.
 #[derive(Debug, Clone, Copy)]
@@ -675,6 +707,25 @@ pub fn validate_bwd(args: &BwdArgs) -> Result<Bwd> {
             (args.dinitial_state, "dinitial_state"),
         ],
     )?;
+    let mut operands = i.named();
+    operands.extend([
+        ("checkpoints", Some(args.checkpoints)),
+        ("dout", Some(args.dout)),
+        ("dfinal_state", args.dfinal_state),
+    ]);
+    let results = [
+        ("du", Some(args.du)),
+        ("ddelta", Some(args.ddelta)),
+        ("dA", Some(args.da)),
+        ("dB", Some(args.db)),
+        ("dC", Some(args.dc)),
+        ("dD", args.dd),
+        ("dz", args.dz),
+        ("ddelta_bias", args.ddelta_bias),
+        ("dinitial_state", args.dinitial_state),
+        ("workspace", args.workspace),
+    ];
+    check_buffers(op, &operands, &results)?;
     let mut_ptr = |t: Option<&Tensor>| opt_ptr(t) as *mut c_void;
     let params = BwdParams {
         fwd: FwdParams {
@@ -710,167 +761,17 @@ pub fn validate_bwd(args: &BwdArgs) -> Result<Bwd> {
 pub fn run_bwd(bwd: &Bwd, platform: Platform) -> Result<()> {
     match platform {
         Platform::Cpu => {
-            cpu_bwd::bwd(bwd);
+            crate::cpu::selective_scan_bwd::bwd(bwd);
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        Platform::Cuda { stream } => cuda_bwd::bwd(bwd, stream),
+        Platform::Cuda { stream } => crate::cuda::selective_scan_bwd::bwd(bwd, stream),
         #[cfg(not(feature = "cuda"))]
         Platform::Cuda { .. } => Err(no_cuda("selective_scan_bwd")),
     }
 }
 
 // ------------------------------------------------------------------------------------ frames
-
-/// The optional inputs, in operand order, with their `has_*` attributes.
-const OPTIONAL_INPUTS: [(&str, &str); 4] =
-    [("D", "has_d"), ("z", "has_z"), ("delta_bias", "has_delta_bias"), ("initial_state", "has_initial_state")];
-
-/// Names errors from frame decoding with `op` (validation's own messages already do).
-fn prefixed(op: &'static str) -> impl Fn(Error) -> Error {
-    move |e| match e {
-        Error::InvalidArgument(m) if !m.starts_with(op) => Error::InvalidArgument(format!("{op}: {m}")),
-        other => other,
-    }
-}
-
-/// The attributes both calls share: layout, delta_softplus, and which optional inputs are present.
-fn frame_flags(frame: &Frame, op: &'static str) -> Result<(Layout, bool, [bool; 4])> {
-    let prefix = prefixed(op);
-    let layout = Layout::parse(&frame.attr_str("layout").map_err(&prefix)?).map_err(&prefix)?;
-    let delta_softplus = frame.attr_bool("delta_softplus").map_err(&prefix)?;
-    let mut present = [false; 4];
-    for (flag, (_, attr)) in present.iter_mut().zip(OPTIONAL_INPUTS) {
-        *flag = frame.attr_bool(attr).map_err(&prefix)?;
-    }
-    Ok((layout, delta_softplus, present))
-}
-
-/// Operand names of a call: the five inputs, the present optional ones, then `extra` (each with
-/// its presence).
-fn operand_names(present: [bool; 4], extra: &[(&'static str, bool)]) -> Vec<&'static str> {
-    let mut names = vec!["u", "delta", "A", "B", "C"];
-    names.extend(OPTIONAL_INPUTS.iter().zip(present).filter(|(_, p)| *p).map(|((n, _), _)| *n));
-    names.extend(extra.iter().filter(|(_, p)| *p).map(|(n, _)| *n));
-    names
-}
-
-/// Decodes the operands of `names` (checking their count) and returns them with a lookup by name.
-pub(crate) fn frame_operands(frame: &Frame, op: &'static str, names: &[&'static str]) -> Result<Vec<Tensor>> {
-    if frame.num_args() != names.len() {
-        return Err(Error::invalid(format!(
-            "{op}: expected {} operands ({}) as the attributes say, got {}",
-            names.len(),
-            names.join(", "),
-            frame.num_args()
-        )));
-    }
-    names.iter().enumerate().map(|(i, n)| frame.arg(i, n)).collect::<Result<_>>().map_err(prefixed(op))
-}
-
-/// The results of `names` (optional ones absent), then an optional `workspace`.
-pub(crate) fn frame_results(
-    frame: &Frame,
-    op: &'static str,
-    names: &[&'static str],
-) -> Result<(Vec<Tensor>, Option<Tensor>)> {
-    let n = names.len();
-    if frame.num_rets() != n && frame.num_rets() != n + 1 {
-        return Err(Error::invalid(format!(
-            "{op}: expected {n} or {} results ({}[, workspace]) as the attributes say, got {}",
-            n + 1,
-            names.join(", "),
-            frame.num_rets()
-        )));
-    }
-    let prefix = prefixed(op);
-    let rets: Vec<Tensor> =
-        names.iter().enumerate().map(|(i, r)| frame.ret(i, r)).collect::<Result<_>>().map_err(&prefix)?;
-    let workspace = if frame.num_rets() == n + 1 { Some(frame.ret(n, "workspace").map_err(&prefix)?) } else { None };
-    Ok((rets, workspace))
-}
-
-fn find<'t>(names: &[&str], tensors: &'t [Tensor], name: &str) -> Option<&'t Tensor> {
-    names.iter().position(|n| *n == name).map(|i| &tensors[i])
-}
-
-/// The inputs of a call from its decoded operands.
-fn frame_inputs<'t>(names: &[&str], operands: &'t [Tensor], layout: Layout, delta_softplus: bool) -> Inputs<'t> {
-    Inputs {
-        u: &operands[0],
-        delta: &operands[1],
-        a: &operands[2],
-        b: &operands[3],
-        c: &operands[4],
-        d: find(names, operands, "D"),
-        z: find(names, operands, "z"),
-        delta_bias: find(names, operands, "delta_bias"),
-        initial_state: find(names, operands, "initial_state"),
-        delta_softplus,
-        layout,
-    }
-}
-
-/// The XLA handler's body of the forward: decode operands per the attributes, validate, run.
-pub fn fwd_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
-    let op = "selective_scan_fwd";
-    let (layout, delta_softplus, present) = frame_flags(frame, op)?;
-    let checkpoint_len = frame.attr_opt("checkpoint_len", Frame::attr_i64).map_err(prefixed(op))?.unwrap_or(0);
-    // Before counting results, which depend on it.
-    validate_checkpoint_len(op, checkpoint_len, true)?;
-    let names = operand_names(present, &[]);
-    let operands = frame_operands(frame, op, &names)?;
-    let mut ret_names = vec!["out", "final_state"];
-    if checkpoint_len != 0 {
-        ret_names.push("checkpoints");
-    }
-    let (rets, workspace) = frame_results(frame, op, &ret_names)?;
-    let fwd = validate_fwd(&FwdArgs {
-        inputs: frame_inputs(&names, &operands, layout, delta_softplus),
-        out: &rets[0],
-        final_state: &rets[1],
-        checkpoints: rets.get(2),
-        checkpoint_len,
-        workspace: workspace.as_ref(),
-    })?;
-    run_fwd(&fwd, platform)
-}
-
-/// The XLA handler's body of the backward: decode operands and results per the attributes,
-/// validate, run.
-pub fn bwd_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
-    let op = "selective_scan_bwd";
-    let (layout, delta_softplus, present) = frame_flags(frame, op)?;
-    let prefix = prefixed(op);
-    let has_dfinal_state = frame.attr_bool("has_dfinal_state").map_err(&prefix)?;
-    let checkpoint_len = frame.attr_i64("checkpoint_len").map_err(&prefix)?;
-    validate_checkpoint_len(op, checkpoint_len, false)?;
-    let names = operand_names(present, &[("checkpoints", true), ("dout", true), ("dfinal_state", has_dfinal_state)]);
-    let operands = frame_operands(frame, op, &names)?;
-    let mut ret_names = vec!["du", "ddelta", "dA", "dB", "dC"];
-    let grads = ["dD", "dz", "ddelta_bias", "dinitial_state"];
-    ret_names.extend(grads.iter().zip(present).filter(|(_, p)| *p).map(|(n, _)| *n));
-    let (rets, workspace) = frame_results(frame, op, &ret_names)?;
-    let ret = |name: &str| find(&ret_names, &rets, name);
-    let bwd = validate_bwd(&BwdArgs {
-        inputs: frame_inputs(&names, &operands, layout, delta_softplus),
-        checkpoints: find(&names, &operands, "checkpoints").expect("named above"),
-        checkpoint_len,
-        dout: find(&names, &operands, "dout").expect("named above"),
-        dfinal_state: find(&names, &operands, "dfinal_state"),
-        du: &rets[0],
-        ddelta: &rets[1],
-        da: &rets[2],
-        db: &rets[3],
-        dc: &rets[4],
-        dd: ret("dD"),
-        dz: ret("dz"),
-        ddelta_bias: ret("ddelta_bias"),
-        dinitial_state: ret("dinitial_state"),
-        workspace: workspace.as_ref(),
-    })?;
-    run_bwd(&bwd, platform)
-}
 
 #[cfg(test)]
 mod tests {

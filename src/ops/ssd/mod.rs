@@ -2,8 +2,8 @@
 //! and the math).
 //!
 //! [`validate_fwd`] / [`validate_bwd`] check every operand (the message names it, what was expected
-//! and what came) and produce [`SsdParams`] / [`SsdBwdParams`], the structs kernels/ssd.cuh mirrors;
-//! [`run_fwd`] / [`run_bwd`] run them. The XLA handlers and the C API share both.
+//! and what came) and produce [`SsdParams`] / [`SsdBwdParams`], the structs the kernels read
+//! (kernels/params.h is generated from them); [`run_fwd`] / [`run_bwd`] run them. The XLA handlers and the C API share both.
 //!
 //! The generic path (both platforms) runs SSD as a selective scan over dim = heads * headdim
 //! channels in the channel-last layout: x, B, C, z, y, the states and their gradients already have
@@ -14,18 +14,13 @@
 //! headdim into the scan's delta) and the per-head A, D and dt_bias are expanded to channels, in
 //! scratch ([`Scratch`]), and the scan's per-channel gradients of those summed back to heads.
 
-use super::selective_scan::{self, frame_operands, frame_results};
-use super::{args::prefixed, expect, expect_dtype, expect_nonnull, fmt_dims, Platform, Tensor};
+use super::buffers::{check_buffers, Named};
+use super::selective_scan;
+use super::{check_elements, expect, expect_dtype, expect_nonnull, fmt_dims, Platform, Tensor};
 use crate::error::{Error, Result};
-use crate::xla::frame::Frame;
 use crate::DType;
 use std::ffi::c_void;
 
-mod cpu;
-#[cfg(feature = "cuda")]
-mod cuda;
-#[cfg(feature = "cuda")]
-mod cuda_mma;
 pub mod plan;
 
 /// The chunk sizes the op takes (the layout of `chunk_states`; a whole number of the selective
@@ -34,25 +29,40 @@ pub const CHUNK_SIZES: [i64; 4] = [32, 64, 128, 256];
 /// Largest dstate (the selective scan's).
 pub const MAX_DSTATE: i64 = selective_scan::MAX_DSTATE;
 
-/// Kernel parameters of the forward, mirrored field for field by `SsdParams` in kernels/ssd.cuh.
-/// Absent optional operands and results are null.
+/// Kernel parameters of the forward; generated into kernels/params.h. All arrays dense row-major; T is
+/// the element type of x, dt, B, C, z, y (and of dx, ddt, dB, dC, dz). Absent optional operands and
+/// results are null.
+/// cbindgen:field-names=[x, dt, A, B, C, D, z, dt_bias, initial_states, y, final_states, chunk_states, workspace, workspace_bytes, batch, seqlen, heads, headdim, dstate, groups, chunk_size, dt_min, dt_max, dt_softplus, D_per_channel]
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct SsdParams {
+    /// (batch, seqlen, heads, headdim) T.
     pub x: *const c_void,
+    /// (batch, seqlen, heads) T.
     pub dt: *const c_void,
+    /// (heads).
     pub a: *const f32,
+    /// (batch, seqlen, groups, dstate) T.
     pub b: *const c_void,
+    /// (batch, seqlen, groups, dstate) T.
     pub c: *const c_void,
+    /// (heads) or (heads, headdim).
     pub d: *const f32,
+    /// (batch, seqlen, heads, headdim) T.
     pub z: *const c_void,
+    /// (heads).
     pub dt_bias: *const f32,
+    /// (batch, heads, headdim, dstate).
     pub initial_states: *const f32,
+    /// (batch, seqlen, heads, headdim) T.
     pub y: *mut c_void,
+    /// (batch, heads, headdim, dstate).
     pub final_states: *mut f32,
-    /// (batch, heads, headdim, n_chunks, dstate): the state entering each chunk, of
-    /// [`plan::chunk_states_dtype`] (T in the tensor-core kernels, f32 in the generic path).
+    /// (batch, heads, headdim, n_chunks, dstate): the state entering each chunk (chunk 0: the initial
+    /// state), of [`plan::chunk_states_dtype`] (T in the tensor-core kernels, f32 in the generic
+    /// path). Written by the forward when non-null; read by the backward.
     pub chunk_states: *mut c_void,
+    /// Scratch from the host (size: the launcher's workspace function); contents undefined afterwards.
     pub workspace: *mut c_void,
     pub workspace_bytes: i64,
     pub batch: i64,
@@ -62,6 +72,8 @@ pub struct SsdParams {
     pub dstate: i64,
     pub groups: i64,
     pub chunk_size: i64,
+    /// dt is clamped to `[dt_min, dt_max]` (always). -inf and +inf never clamp; 0 and +inf (the default)
+    /// only zero negative dt, so after softplus they do nothing.
     pub dt_min: f32,
     pub dt_max: f32,
     pub dt_softplus: i32,
@@ -69,11 +81,11 @@ pub struct SsdParams {
     pub d_per_channel: i32,
 }
 
-const _: () = assert!(std::mem::size_of::<SsdParams>() == 14 * 8 + 7 * 8 + 4 * 4);
-
-/// Kernel parameters of the backward, mirrored by `SsdBwdParams` in kernels/ssd.cuh: the forward's
-/// (y and final_states null, chunk_states read, the backward's workspace), the cotangents and the
-/// gradients (null where the primal is absent).
+/// Kernel parameters of the backward; generated into kernels/params.h. The forward's (y and
+/// final_states null, chunk_states read, the backward's workspace), the cotangents and the gradients
+/// (null where the primal is absent). dx, ddt, dB, dC, dz are T; dA, dD (shaped like D), ddt_bias,
+/// dinitial_states are f32.
+/// cbindgen:field-names=[fwd, dy, dfinal_states, dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states]
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct SsdBwdParams {
@@ -91,7 +103,95 @@ pub struct SsdBwdParams {
     pub dinitial_states: *mut f32,
 }
 
-const _: () = assert!(std::mem::size_of::<SsdBwdParams>() == std::mem::size_of::<SsdParams>() + 11 * 8);
+/// Parameters of the generic CUDA path's glue kernels (kernels/ssd_glue.cu), which expand per-head
+/// operands to the selective scan's channels and fold its gradients back; generated into
+/// kernels/params.h as `SsdGlueParams`. The arrays live in the workspace (`Scratch`).
+/// cbindgen:field-names=[q, delta, A, D, dt_bias, ddelta, dA, dD, ddelta_bias, ddt_f32, transformed, _reserved]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct GlueParams {
+    /// The SSD call (forward: `q.fwd` only).
+    pub q: SsdBwdParams,
+    /// (batch, seqlen, heads * headdim) T: the scan's delta.
+    pub delta: *mut c_void,
+    /// (heads * headdim, dstate): A[h] for each channel and state.
+    pub a: *mut f32,
+    /// (heads * headdim): D[h] per channel, or null (absent, or already per channel).
+    pub d: *mut f32,
+    /// (heads * headdim): dt_bias[h] per channel, or null (not passed to the scan).
+    pub dt_bias: *mut f32,
+    /// Backward: (batch, seqlen, heads * headdim) T, the scan's gradient of delta.
+    pub ddelta: *const c_void,
+    /// Backward: (heads * headdim, dstate), the scan's gradient of its A.
+    pub da: *const f32,
+    /// Backward: (heads * headdim) when D is per head.
+    pub dd: *const f32,
+    /// Backward: (heads * headdim), when the scan had the bias (not transformed).
+    pub ddelta_bias: *const f32,
+    /// Backward: (batch, seqlen, heads) ddt before rounding, for ddt_bias when transformed; or null.
+    pub ddt_f32: *mut f32,
+    /// delta holds the final dt (bias, softplus and clamp applied; rounded to T) instead of the raw dt.
+    pub transformed: i32,
+    pub _reserved: i32,
+}
+
+/// A launch of the tensor-core forward (kernels/ssd_fwd.cu): the call's parameters and the sequence
+/// split, whose records are in `p.workspace`; generated into kernels/params.h as `SsdMmaParams`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct FwdMmaParams {
+    pub p: SsdParams,
+    pub split: plan::MmaFwdSplit,
+}
+
+/// CUDA's `float2`, which the kernels read as one 8-byte load (not in kernels/params.h: CUDA has it).
+#[repr(C, align(8))]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Float2 {
+    pub x: f32,
+    pub y: f32,
+}
+
+/// A launch of the tensor-core backward (kernels/ssd_bwd.cu): the call's parameters and its views of
+/// the workspace ([`plan::mma_bwd_layout`]); generated into kernels/params.h as `SsdBwdMmaParams`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct BwdMmaParams {
+    pub q: SsdBwdParams,
+    /// (batch, seqlen, heads, headdim) T, with z: y before the gate, then dy through the gate.
+    pub gated: *mut c_void,
+    /// (n_parts, batch * heads, scratch slots, headdim * dstate) T: recomputed states.
+    pub scratch: *mut c_void,
+    /// (n_parts, batch, heads).
+    pub da_part: *mut f32,
+    /// (n_parts, batch, heads).
+    pub dbias_part: *mut f32,
+    /// (n_parts, batch, heads, headdim).
+    pub dd_part: *mut f32,
+    /// Sequence split (few batch x heads): parts of `chunks_per_part` chunks. Parts 1..n_parts-1 are
+    /// each cut in `records_per_part` pieces of whole tiles (the last ones shorter or empty), and
+    /// record r (part r / records_per_part + 1, piece r % records_per_part) is the gradient entering
+    /// its piece from the piece's own steps and their total decay (log2):
+    /// `[n_records][batch * heads][headdim * dstate]`, then `[n_records][batch * heads]`,
+    /// n_records = (n_parts - 1) * records_per_part.
+    pub records: *mut f32,
+    pub chunks_per_part: i64,
+    pub n_parts: i64,
+    pub records_per_part: i64,
+    /// Per (batch * heads, chunk), headdim x dstate in T, row-major: the state entering the chunk...
+    pub s_chunk: *mut c_void,
+    /// ...and the gradient of the state leaving it (the main kernel writes them; bc_sums reads them).
+    pub ds_chunk: *mut c_void,
+    /// (batch * heads, n_chunks * chunk_size): {cum, dt} from the chunk's start (chunk_scalars).
+    pub scal: *mut Float2,
+    /// (batch * n_chunks * groups, msum_split, tile pairs, tile, tile): M over head ranges.
+    pub msum: *mut f32,
+    /// Head ranges of a group that head_msum sums apart (1..heads per group).
+    pub msum_split: i64,
+    /// The per-head path (partials): (batch, seqlen, heads, dstate) T each, summed by reduce_bc.
+    pub db_part: *mut c_void,
+    pub dc_part: *mut c_void,
+}
 
 impl SsdBwdParams {
     /// A forward's parameters with no cotangents or gradients (what kernels shared by both passes
@@ -183,6 +283,23 @@ pub struct Inputs<'a> {
     pub dt_softplus: bool,
     pub dt_min: f32,
     pub dt_max: f32,
+}
+
+impl<'a> Inputs<'a> {
+    /// The operands by name, for the checks every call's buffers get.
+    fn named(&self) -> Vec<Named<'a>> {
+        vec![
+            ("x", Some(self.x)),
+            ("dt", Some(self.dt)),
+            ("A", Some(self.a)),
+            ("B", Some(self.b)),
+            ("C", Some(self.c)),
+            ("D", self.d),
+            ("z", self.z),
+            ("dt_bias", self.dt_bias),
+            ("initial_states", self.initial_states),
+        ]
+    }
 }
 
 /// The operands and results of one forward call.
@@ -309,7 +426,8 @@ fn validate_inputs(op: &str, i: &Inputs) -> Result<Checked> {
     validate_chunk_size(op, i.chunk_size)?;
     validate_dt_limits(op, i.dt_min, i.dt_max)?;
     let x = i.x;
-    if x.dims.len() != 4 || x.dims.iter().any(|&n| n < 0) {
+    check_elements(&format!("{op}: operand `x`"), &x.dims)?;
+    if x.dims.len() != 4 {
         return Err(Error::invalid(format!(
             "{op}: operand `x`: expected rank 4 {X_MEANING}, got shape {}",
             fmt_dims(&x.dims)
@@ -457,6 +575,13 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Ssd> {
     }
     let results = [(Some(args.y), "y"), (Some(args.final_states), "final_states"), (args.chunk_states, "chunk_states")];
     expect_nonnull_all(op, "result", &results)?;
+    let results = [
+        ("y", Some(args.y)),
+        ("final_states", Some(args.final_states)),
+        ("chunk_states", args.chunk_states),
+        ("workspace", args.workspace),
+    ];
+    check_buffers(op, &args.inputs.named(), &results)?;
     let params = SsdParams {
         y: args.y.data,
         final_states: args.final_states.data as *mut f32,
@@ -537,6 +662,25 @@ pub fn validate_bwd(args: &BwdArgs) -> Result<SsdBwd> {
             (args.dinitial_states, "dinitial_states"),
         ],
     )?;
+    let mut operands = i.named();
+    operands.extend([
+        ("chunk_states", Some(args.chunk_states)),
+        ("dy", Some(args.dy)),
+        ("dfinal_states", args.dfinal_states),
+    ]);
+    let results = [
+        ("dx", Some(args.dx)),
+        ("ddt", Some(args.ddt)),
+        ("dA", Some(args.da)),
+        ("dB", Some(args.db)),
+        ("dC", Some(args.dc)),
+        ("dD", args.dd),
+        ("dz", args.dz),
+        ("ddt_bias", args.ddt_bias),
+        ("dinitial_states", args.dinitial_states),
+        ("workspace", args.workspace),
+    ];
+    check_buffers(op, &operands, &results)?;
     let params = SsdBwdParams {
         fwd: SsdParams {
             chunk_states: args.chunk_states.data,
@@ -562,9 +706,9 @@ pub fn validate_bwd(args: &BwdArgs) -> Result<SsdBwd> {
 /// Runs a validated forward call.
 pub fn run_fwd(ssd: &Ssd, platform: Platform) -> Result<()> {
     match platform {
-        Platform::Cpu => cpu::fwd(ssd),
+        Platform::Cpu => crate::cpu::ssd::fwd(ssd),
         #[cfg(feature = "cuda")]
-        Platform::Cuda { stream } => cuda::fwd(ssd, stream),
+        Platform::Cuda { stream } => crate::cuda::ssd::fwd(ssd, stream),
         #[cfg(not(feature = "cuda"))]
         Platform::Cuda { .. } => Err(no_cuda("ssd_fwd")),
     }
@@ -573,9 +717,9 @@ pub fn run_fwd(ssd: &Ssd, platform: Platform) -> Result<()> {
 /// Runs a validated backward call.
 pub fn run_bwd(bwd: &SsdBwd, platform: Platform) -> Result<()> {
     match platform {
-        Platform::Cpu => cpu::bwd(bwd),
+        Platform::Cpu => crate::cpu::ssd::bwd(bwd),
         #[cfg(feature = "cuda")]
-        Platform::Cuda { stream } => cuda::bwd(bwd, stream),
+        Platform::Cuda { stream } => crate::cuda::ssd::bwd(bwd, stream),
         #[cfg(not(feature = "cuda"))]
         Platform::Cuda { .. } => Err(no_cuda("ssd_bwd")),
     }
@@ -702,7 +846,7 @@ impl ScanView {
 
 /// A byte workspace tensor.
 fn byte_tensor(data: *mut c_void, bytes: i64) -> Tensor {
-    Tensor { dtype: DType::Other(crate::xla::ffi::XLA_FFI_DATA_TYPE_U8), dims: vec![bytes.max(0)], data }
+    Tensor { dtype: DType::U8, dims: vec![bytes.max(0)], data }
 }
 
 /// The scan rejecting what SSD validation accepted is a bug of this module.
@@ -771,118 +915,4 @@ pub(crate) fn scan_bwd(bwd: &SsdBwd, s: &Scratch) -> Result<selective_scan::Bwd>
         workspace: (!s.scan_workspace.is_null()).then_some(&workspace),
     })
     .map_err(internal("ssd_bwd"))
-}
-
-// ------------------------------------------------------------------------------------ frames
-
-/// The optional inputs, in operand order, with their `has_*` attributes.
-const OPTIONAL_INPUTS: [(&str, &str); 4] =
-    [("D", "has_d"), ("z", "has_z"), ("dt_bias", "has_dt_bias"), ("initial_states", "has_initial_states")];
-
-/// The attributes both calls share.
-struct Flags {
-    chunk_size: i64,
-    dt_softplus: bool,
-    dt_min: f32,
-    dt_max: f32,
-    present: [bool; 4],
-}
-
-fn frame_flags(frame: &Frame, op: &'static str) -> Result<Flags> {
-    let pre = prefixed(op);
-    let mut present = [false; 4];
-    for (flag, (_, attr)) in present.iter_mut().zip(OPTIONAL_INPUTS) {
-        *flag = frame.attr_bool(attr).map_err(&pre)?;
-    }
-    Ok(Flags {
-        chunk_size: frame.attr_i64("chunk_size").map_err(&pre)?,
-        dt_softplus: frame.attr_bool("dt_softplus").map_err(&pre)?,
-        dt_min: frame.attr_f32("dt_min").map_err(&pre)?,
-        dt_max: frame.attr_f32("dt_max").map_err(&pre)?,
-        present,
-    })
-}
-
-/// Operand names: the five inputs, the present optional ones, then `extra` (each with its presence).
-fn operand_names(present: [bool; 4], extra: &[(&'static str, bool)]) -> Vec<&'static str> {
-    let mut names = vec!["x", "dt", "A", "B", "C"];
-    names.extend(OPTIONAL_INPUTS.iter().zip(present).filter(|(_, p)| *p).map(|((n, _), _)| *n));
-    names.extend(extra.iter().filter(|(_, p)| *p).map(|(n, _)| *n));
-    names
-}
-
-fn find<'t>(names: &[&str], tensors: &'t [Tensor], name: &str) -> Option<&'t Tensor> {
-    names.iter().position(|n| *n == name).map(|i| &tensors[i])
-}
-
-fn frame_inputs<'t>(names: &[&str], operands: &'t [Tensor], f: &Flags) -> Inputs<'t> {
-    Inputs {
-        x: &operands[0],
-        dt: &operands[1],
-        a: &operands[2],
-        b: &operands[3],
-        c: &operands[4],
-        d: find(names, operands, "D"),
-        z: find(names, operands, "z"),
-        dt_bias: find(names, operands, "dt_bias"),
-        initial_states: find(names, operands, "initial_states"),
-        chunk_size: f.chunk_size,
-        dt_softplus: f.dt_softplus,
-        dt_min: f.dt_min,
-        dt_max: f.dt_max,
-    }
-}
-
-/// The XLA handler's body of the forward: decode operands and results per the attributes,
-/// validate, run.
-pub fn fwd_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
-    let op = "ssd_fwd";
-    let flags = frame_flags(frame, op)?;
-    let save = frame.attr_bool("save_chunk_states").map_err(prefixed(op))?;
-    let names = operand_names(flags.present, &[]);
-    let operands = frame_operands(frame, op, &names)?;
-    let mut ret_names = vec!["y", "final_states"];
-    if save {
-        ret_names.push("chunk_states");
-    }
-    let (rets, workspace) = frame_results(frame, op, &ret_names)?;
-    let ssd = validate_fwd(&FwdArgs {
-        inputs: frame_inputs(&names, &operands, &flags),
-        y: &rets[0],
-        final_states: &rets[1],
-        chunk_states: rets.get(2),
-        workspace: workspace.as_ref(),
-    })?;
-    run_fwd(&ssd, platform)
-}
-
-/// The XLA handler's body of the backward.
-pub fn bwd_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
-    let op = "ssd_bwd";
-    let flags = frame_flags(frame, op)?;
-    let has_dfinal = frame.attr_bool("has_dfinal_states").map_err(prefixed(op))?;
-    let names = operand_names(flags.present, &[("chunk_states", true), ("dy", true), ("dfinal_states", has_dfinal)]);
-    let operands = frame_operands(frame, op, &names)?;
-    let mut ret_names = vec!["dx", "ddt", "dA", "dB", "dC"];
-    let grads = ["dD", "dz", "ddt_bias", "dinitial_states"];
-    ret_names.extend(grads.iter().zip(flags.present).filter(|(_, p)| *p).map(|(n, _)| *n));
-    let (rets, workspace) = frame_results(frame, op, &ret_names)?;
-    let ret = |name: &str| find(&ret_names, &rets, name);
-    let bwd = validate_bwd(&BwdArgs {
-        inputs: frame_inputs(&names, &operands, &flags),
-        chunk_states: find(&names, &operands, "chunk_states").expect("named above"),
-        dy: find(&names, &operands, "dy").expect("named above"),
-        dfinal_states: find(&names, &operands, "dfinal_states"),
-        dx: &rets[0],
-        ddt: &rets[1],
-        da: &rets[2],
-        db: &rets[3],
-        dc: &rets[4],
-        dd: ret("dD"),
-        dz: ret("dz"),
-        ddt_bias: ret("ddt_bias"),
-        dinitial_states: ret("dinitial_states"),
-        workspace: workspace.as_ref(),
-    })?;
-    run_bwd(&bwd, platform)
 }

@@ -174,9 +174,9 @@ const MMA_MAX_CHUNK: i64 = 256;
 /// per SM at the main shape; with a head or so per group a second range would only add workspace).
 const MSUM_MAX_SPLIT: i64 = 2;
 
-/// The tensor-core forward's sequence split (mirror of `ssd_mma::FwdSplit`, kernels/ssd_fwd_common.cuh):
-/// the main kernel scans `n_parts` parts of `tiles_per_part` tiles; its first pass scans every part but
-/// the last in `records_per_part` pieces, each recording its end state from zero and its decay.
+/// The tensor-core forward's sequence split; generated into kernels/params.h as `FwdSplit`. The main
+/// kernel scans `n_parts` parts of `tiles_per_part` tiles; its first pass scans every part but the last
+/// in `records_per_part` pieces, each recording its end state from zero and its decay.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MmaFwdSplit {
@@ -216,7 +216,8 @@ pub fn mma_fwd_split(s: &Shape, max_records: i64, pieces: Pieces) -> MmaFwdSplit
 /// after another.
 const MAX_LOCAL_RECORDS: i64 = 4;
 /// What a first-pass block costs besides its tiles (its start, the records' fold, its store), in
-/// tiles: fitted to the H200 timings in BENCHMARKS.md (stop 31).
+/// tiles: fitted to first-pass timings on an H200 (1 to 8 pieces a part at 1x16384, 2x8192 and
+/// 1x4096).
 const LOCAL_BLOCK_TILES: i64 = 4;
 
 /// How a first pass cuts each part into pieces, one block and one record each.
@@ -229,8 +230,7 @@ pub enum Pieces {
     /// The most that still fit one wave: for the forward's first pass on wgmma (sm_90a, dstate
     /// 128), one long product, which more pieces shorten by less than they cost the main kernel,
     /// whose later parts each read every record before them before their first tile (1 x 16384 x 64
-    /// heads, H100: 1 piece a part 291 us, 4 pieces 306; 2 x 8192: 2 pieces 266, 1 piece 276;
-    /// BENCHMARKS.md, stop 36).
+    /// heads, H100: 1 piece a part 291 us, 4 pieces 306; 2 x 8192: 2 pieces 266, 1 piece 276).
     OneWave,
 }
 
@@ -284,7 +284,8 @@ fn mma_fwd_bytes(s: &Shape) -> i64 {
 /// Whether the tensor-core backward forms dB and dC summed over a group's heads a chunk at a time
 /// (head_msum, bc_sums) rather than per head (partials summed by reduce_bc). The head sums pay per
 /// (batch, chunk, group) unit, so they win only with many heads per group, units enough to fill the
-/// GPU (two head_msum blocks each, 132 SMs), dstate 128 and 256-step chunks (BENCHMARKS.md, stop 25).
+/// GPU (two head_msum blocks each, 132 SMs), dstate 128 and 256-step chunks (measured on the H100
+/// over groups 1-64 and batches 1-16).
 pub fn mma_bwd_head_sums(s: &Shape) -> bool {
     let n_chunks = (s.seqlen + s.chunk_size - 1) / s.chunk_size;
     s.dstate == 128 && s.chunk_size == 256 && s.heads / s.groups >= 32 && s.batch * n_chunks * s.groups >= 64
@@ -506,12 +507,12 @@ mod tests {
         let split =
             |tiles_per_part, n_parts, records_per_part| MmaFwdSplit { tiles_per_part, n_parts, records_per_part };
         use Pieces::{FewestTileTimes as Waves, OneWave};
-        // The H200 measures behind LOCAL_BLOCK_TILES (BENCHMARKS.md, stop 31).
+        // LOCAL_BLOCK_TILES was fitted to these H200 timings.
         assert_eq!(mma_fwd_split(&shape(1, 16384), i64::MAX, Waves), split(64, 4, 4));
         assert_eq!(mma_fwd_split(&shape(2, 8192), i64::MAX, Waves), split(64, 2, 2));
         assert_eq!(mma_fwd_split(&shape(1, 4096), i64::MAX, Waves), split(16, 4, 1));
         assert_eq!(mma_fwd_split(&shape(8, 2048), i64::MAX, Waves), split(32, 1, 1));
-        // The H100 measures behind OneWave (stop 36): one wave of first-pass blocks.
+        // OneWave follows H100 measurements: one wave of first-pass blocks.
         assert_eq!(mma_fwd_split(&shape(1, 16384), i64::MAX, OneWave), split(64, 4, 1));
         assert_eq!(mma_fwd_split(&shape(1, 32768), i64::MAX, OneWave), split(128, 4, 1));
         assert_eq!(mma_fwd_split(&shape(2, 8192), i64::MAX, OneWave), split(64, 2, 2));

@@ -8,24 +8,18 @@
 //! The state is updated in place: the host aliases the `state` operand to the `state` result; when it
 //! does not, the operand is copied into the result first (a full copy: costs what the kernel costs).
 
-use super::args::{self, Alias};
+use super::alias::{self, Alias};
+use super::buffers::{check_buffers, Named};
 use super::{expect, expect_dtype, expect_nonnull, fmt_dims, Platform, Tensor};
 use crate::error::{Error, Result};
-use crate::xla::frame::Frame;
 use crate::DType;
 use std::ffi::c_void;
-
-pub(crate) mod cpu;
-#[cfg(feature = "cuda")]
-pub(crate) mod cuda;
-
-pub use cpu::update_row;
 
 /// Largest supported dstate (as the scan).
 pub const MAX_DSTATE: i64 = 256;
 
 const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
-const S32: DType = DType::Other(crate::xla::ffi::XLA_FFI_DATA_TYPE_S32);
+const S32: DType = DType::S32;
 
 /// The operands of one state update, as the host describes them.
 pub struct UpdateArgs<'a> {
@@ -46,11 +40,31 @@ pub struct UpdateArgs<'a> {
     pub dt_softplus: bool,
 }
 
-/// Kernel parameters, mirrored by `StateUpdateParams` in `kernels/decode.cuh`. Absent optional
-/// operands are null. `state` is the buffer updated in place (after the copy when not aliased).
+impl<'a> UpdateArgs<'a> {
+    /// The operands by name, for the checks every call's buffers get.
+    fn operands(&self) -> [Named<'a>; 10] {
+        [
+            ("state", Some(self.state)),
+            ("x", Some(self.x)),
+            ("dt", Some(self.dt)),
+            ("A", Some(self.a)),
+            ("B", Some(self.b)),
+            ("C", Some(self.c)),
+            ("D", self.d),
+            ("z", self.z),
+            ("dt_bias", self.dt_bias),
+            ("state_batch_indices", self.state_batch_indices),
+        ]
+    }
+}
+
+/// Kernel parameters; generated into kernels/params.h as `StateUpdateParams`. Absent optional operands
+/// are null.
+/// cbindgen:field-names=[state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, out, batch, dim, dstate, groups, dim_per_group, n_slots, dt_softplus, vectorized, lanes, _reserved]
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct UpdateParams {
+    /// (n_slots, dim, dstate), updated in place (after the copy when not aliased).
     pub state: *mut c_void,
     pub x: *const c_void,
     pub dt: *const c_void,
@@ -75,8 +89,6 @@ pub struct UpdateParams {
     pub lanes: i32,
     pub _reserved: i32,
 }
-
-const _: () = assert!(std::mem::size_of::<UpdateParams>() == 11 * 8 + 6 * 8 + 16);
 
 /// A validated state update.
 #[derive(Debug, Clone, Copy)]
@@ -216,7 +228,8 @@ pub fn validate(args: &UpdateArgs) -> Result<Update> {
             expect_nonnull(t, &format!("{op}: `{name}`"))?;
         }
     }
-    let alias = args::alias(op, "state", args.state, args.state_out)?;
+    check_buffers(op, &args.operands(), &[("out", Some(args.out)), ("state", Some(args.state_out))])?;
+    let alias = alias::alias(op, "state", args.state, args.state_out)?;
     let params = UpdateParams {
         state: args.state_out.data,
         x: args.x.data,
@@ -268,40 +281,15 @@ pub fn run(u: &Update, platform: Platform) -> Result<()> {
                     )
                 };
             }
-            cpu::update(u);
+            crate::cpu::state_update::update(u);
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        Platform::Cuda { stream } => cuda::update(u, stream),
+        Platform::Cuda { stream } => crate::cuda::state_update::update(u, stream),
         #[cfg(not(feature = "cuda"))]
         Platform::Cuda { .. } => Err(Error::Unimplemented(
             "selective_state_update: this build of xla-ssm has no CUDA support (built without the `cuda` feature)"
                 .into(),
         )),
     }
-}
-
-/// The XLA handler's body.
-pub fn from_frame(frame: &Frame, platform: Platform) -> Result<()> {
-    let op = "selective_state_update";
-    let dt_softplus = frame.attr_bool("dt_softplus").map_err(args::prefixed(op))?;
-    let (req, opt) =
-        args::operands(frame, op, &["state", "x", "dt", "A", "B", "C"], &["D", "z", "dt_bias", "state_batch_indices"])?;
-    let rets = args::results(frame, op, &["out", "state"])?;
-    let u = validate(&UpdateArgs {
-        state: &req[0],
-        x: &req[1],
-        dt: &req[2],
-        a: &req[3],
-        b: &req[4],
-        c: &req[5],
-        d: opt[0].as_ref(),
-        z: opt[1].as_ref(),
-        dt_bias: opt[2].as_ref(),
-        state_batch_indices: opt[3].as_ref(),
-        out: &rets[0],
-        state_out: &rets[1],
-        dt_softplus,
-    })?;
-    run(&u, platform)
 }

@@ -1,0 +1,173 @@
+//! The CUDA target. [`fwd`] and [`bwd`] pick a path: the tensor-core kernels ([`super::ssd_mma`])
+//! where they apply (bf16/f16, headdim 64, dstate 64 or 128, chunks of whole 64-step tiles), else
+//! the generic one: expand the per-head operands to channels
+//! (kernels/ssd_glue.cu), run the selective scan's CUDA kernels, and (backward) sum its per-channel
+//! gradients back to heads. Scratch comes from the workspace result ([`crate::ops::ssd::plan`]).
+
+use super::ssd_mma;
+use super::{launch, LaunchConfig};
+use crate::error::{Error, Result};
+use crate::ops::ssd::plan::{self, Layout};
+use crate::ops::ssd::{scan_bwd, scan_fwd, GlueParams, Scratch, Ssd, SsdBwd, SsdBwdParams, SsdParams};
+use crate::ops::{selective_scan, Platform};
+use crate::DType;
+use std::ffi::c_void;
+
+const MODULE: &str = "ssd_glue";
+/// `kGlueThreads` of the kernels.
+const THREADS: u32 = 256;
+/// Grid-stride loops: enough blocks to fill an H100 a few times over.
+const MAX_BLOCKS: u64 = 8192;
+
+/// The forward on `stream`: the first path that takes the call.
+pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
+    let p = &ssd.params;
+    let shape = shape(p, ssd.dtype);
+    if !plan::mma_applies(&shape) {
+        return generic_fwd(ssd, stream);
+    }
+    if !ssd_mma::aligned(p) {
+        return Err(Error::invalid(
+            "ssd_fwd: the CUDA target takes x, B and C 16-byte aligned, z and y 4-byte aligned, the states \
+             8-byte aligned (XLA's buffers always are)",
+        ));
+    }
+    let base = workspace_at("ssd_fwd", p, plan::fwd_workspace_bytes(&shape), "xla_ssm_ssd_fwd_workspace_bytes")?;
+    ssd_mma::fwd(ssd, &shape, base, plan::fwd_workspace_bytes(&shape), stream)
+}
+
+/// The backward on `stream`.
+pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
+    let p = &bwd.params.fwd;
+    let shape = shape(p, bwd.dtype);
+    if !plan::mma_applies(&shape) {
+        return generic_bwd(bwd, stream);
+    }
+    if !ssd_mma::bwd_aligned(&bwd.params) {
+        return Err(Error::invalid(
+            "ssd_bwd: the CUDA target takes x, B, C and dy 16-byte aligned, z, y, dx and dz 4-byte aligned, the \
+             states 8-byte aligned (XLA's buffers always are)",
+        ));
+    }
+    let needed = plan::mma_bwd_layout(&shape).bytes;
+    let base = workspace_at("ssd_bwd", p, needed, "xla_ssm_ssd_bwd_workspace_bytes")?;
+    ssd_mma::bwd(bwd, &shape, base, stream)
+}
+
+fn shape(p: &SsdParams, dtype: DType) -> plan::Shape {
+    plan::Shape {
+        batch: p.batch,
+        seqlen: p.seqlen,
+        heads: p.heads,
+        headdim: p.headdim,
+        dstate: p.dstate,
+        groups: p.groups,
+        chunk_size: p.chunk_size,
+        elem_bytes: dtype.size_bytes(),
+    }
+}
+
+/// The workspace's first `plan::ALIGN`-aligned byte, once it is known to hold `layout`.
+fn workspace_base(op: &str, p: &SsdParams, layout: &Layout, sizer: &str) -> Result<*mut u8> {
+    workspace_at(op, p, layout.bytes, sizer)
+}
+
+/// The workspace's first `plan::ALIGN`-aligned byte, once it is known to hold `bytes` (null for 0).
+fn workspace_at(op: &str, p: &SsdParams, bytes: i64, sizer: &str) -> Result<*mut u8> {
+    if bytes == 0 {
+        return Ok(std::ptr::null_mut());
+    }
+    let given = if p.workspace.is_null() { 0 } else { p.workspace_bytes };
+    if given < bytes {
+        return Err(Error::invalid(format!(
+            "{op}: result `workspace`: the CUDA target needs at least {bytes} bytes ({sizer}), got {given}"
+        )));
+    }
+    let align = plan::ALIGN as usize;
+    let skip = (align - p.workspace as usize % align) % align;
+    // SAFETY: `skip` < ALIGN, which the layout's total keeps as slack.
+    Ok(unsafe { (p.workspace as *mut u8).add(skip) })
+}
+
+/// The scratch arrays of `layout` in the workspace at `base` (null when the workspace is empty).
+fn carve(ssd: &Ssd, layout: &Layout, base: *mut u8, backward: bool) -> Scratch {
+    let at = |offset: i64| if base.is_null() { std::ptr::null_mut() } else { base.wrapping_add(offset as usize) };
+    let when = |on: bool, offset: i64| if on { at(offset) } else { std::ptr::null_mut() };
+    Scratch {
+        delta: at(layout.delta) as *mut c_void,
+        a: at(layout.a) as *mut f32,
+        d: when(ssd.expands_d(), layout.d) as *mut f32,
+        dt_bias: when(ssd.scan_gets_bias(), layout.dt_bias) as *mut f32,
+        ddelta: when(backward, layout.ddelta) as *mut c_void,
+        da: when(backward, layout.da) as *mut f32,
+        dd: when(backward && ssd.expands_d(), layout.dd) as *mut f32,
+        ddelta_bias: when(backward && ssd.scan_gets_bias(), layout.ddelta_bias) as *mut f32,
+        scan_workspace: when(layout.scan_bytes > 0, layout.scan) as *mut c_void,
+        scan_workspace_bytes: layout.scan_bytes,
+    }
+}
+
+fn glue(q: SsdBwdParams, ssd: &Ssd, s: &Scratch, ddt_f32: *mut f32) -> GlueParams {
+    GlueParams {
+        q,
+        delta: s.delta,
+        a: s.a,
+        d: s.d,
+        dt_bias: s.dt_bias,
+        ddelta: s.ddelta,
+        da: s.da,
+        dd: s.dd,
+        ddelta_bias: s.ddelta_bias,
+        ddt_f32,
+        transformed: ssd.transformed() as i32,
+        _reserved: 0,
+    }
+}
+
+fn grid_stride(items: i64) -> LaunchConfig {
+    let blocks = (items.max(0) as u64).div_ceil(THREADS as u64).min(MAX_BLOCKS);
+    LaunchConfig { grid: (blocks, 1, 1), block: THREADS, shared_bytes: 0 }
+}
+
+/// The scan's per-channel inputs: A (D, dt_bias) and delta.
+fn expand(g: &GlueParams, dtype: DType, stream: *mut c_void) -> Result<()> {
+    let p = &g.q.fwd;
+    // SAFETY: the parameters of a validated call (see `launch`).
+    unsafe { launch(stream, MODULE, "ssd_glue_expand_params", grid_stride(p.dim() * p.dstate), g) }?;
+    let kernel = format!("ssd_glue_expand_delta_{}", dtype.name());
+    // SAFETY: the parameters of a validated call (see `launch`).
+    unsafe { launch(stream, MODULE, &kernel, grid_stride(p.rows() * p.headdim), g) }
+}
+
+fn generic_fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
+    let p = &ssd.params;
+    let layout = plan::fwd_layout(&shape(p, ssd.dtype));
+    let base = workspace_base("ssd_fwd", p, &layout, "xla_ssm_ssd_fwd_workspace_bytes")?;
+    let scratch = carve(ssd, &layout, base, false);
+    let q = SsdBwdParams::forward_only(*p);
+    expand(&glue(q, ssd, &scratch, std::ptr::null_mut()), ssd.dtype, stream)?;
+    selective_scan::run_fwd(&scan_fwd(ssd, &scratch)?, Platform::Cuda { stream })
+}
+
+fn generic_bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
+    let ssd = bwd.inputs();
+    let p = &ssd.params;
+    let layout = plan::bwd_layout(&shape(p, ssd.dtype));
+    let base = workspace_base("ssd_bwd", p, &layout, "xla_ssm_ssd_bwd_workspace_bytes")?;
+    let scratch = carve(&ssd, &layout, base, true);
+    let with_ddt_f32 = ssd.transformed() && ssd.present.dt_bias && !base.is_null();
+    let ddt_f32 =
+        if with_ddt_f32 { base.wrapping_add(layout.ddt_f32 as usize) as *mut f32 } else { std::ptr::null_mut() };
+    let g = glue(bwd.params, &ssd, &scratch, ddt_f32);
+    expand(&g, ssd.dtype, stream)?;
+    selective_scan::run_bwd(&scan_bwd(bwd, &scratch)?, Platform::Cuda { stream })?;
+    // ddt: a warp per (b, l, h) row, 8 rows per block.
+    let rows_per_block = (THREADS / 32) as u64;
+    let blocks = (p.rows().max(0) as u64).div_ceil(rows_per_block).min(MAX_BLOCKS);
+    let config = LaunchConfig { grid: (blocks, 1, 1), block: THREADS, shared_bytes: 0 };
+    // SAFETY: the parameters of a validated call (see `launch`).
+    unsafe { launch(stream, MODULE, &format!("ssd_glue_reduce_ddt_{}", ssd.dtype.name()), config, &g) }?;
+    let per_head = LaunchConfig { grid: (p.heads as u64, 1, 1), block: THREADS, shared_bytes: 0 };
+    // SAFETY: the parameters of a validated call (see `launch`).
+    unsafe { launch(stream, MODULE, "ssd_glue_reduce_heads", per_head, &g) }
+}

@@ -1,0 +1,231 @@
+//! The tensor-core kernels (kernels/ssd_fwd.cu, kernels/ssd_bwd.cu), for the calls
+//! [`plan::mma_applies`] admits: a block of 4 warps per (batch,
+//! head) and part of the sequence, the state (forward) or its gradient (backward) in mma
+//! accumulators. With several parts, a first launch records what each part passes on (forward: its
+//! end state and decay; backward: the gradient entering it), and the second starts every part from the
+//! records of the parts before (after) it. The backward's main kernel has no gate: with z, the forward
+//! kernel first recomputes y before the gate and a small kernel turns dy into its gradient (and dz).
+
+use super::{compute_capability, launch, launch_ex, LaunchConfig, Start};
+use crate::error::Result;
+use crate::ops::ssd::plan::{self, Shape, MMA_TILE};
+use crate::ops::ssd::{BwdMmaParams, FwdMmaParams, Present, Ssd, SsdBwd, SsdBwdParams, SsdParams};
+use std::ffi::c_void;
+
+const FWD_MODULE: &str = "ssd_fwd";
+const BWD_MODULE: &str = "ssd_bwd";
+/// `ssd_mma::kThreads`.
+const THREADS: u32 = 128;
+/// Threads of the reduce kernels' blocks, and the most blocks of the grid-stride one.
+const REDUCE_THREADS: u32 = 256;
+const REDUCE_MAX_BLOCKS: u64 = 4096;
+
+/// `sizeof(SyncSmem<T, N>)` (static_assert in kernels/ssd_fwd_sync.cuh): double-buffered x (64 x 72),
+/// B and C (64 x (N + 8)) tiles of 2-byte elements, the state tile, and two tiles' scalars. The wgmma
+/// kernel (sm_90a) needs less and gets the same (a static_assert there checks it fits).
+fn fwd_shared_bytes(dstate: i64) -> u32 {
+    (20480 + 640 * (dstate + 8)) as u32
+}
+
+/// `sizeof(BwdSmem<T, N>)` (static_assert there): x and dy (64 x 72), B, C, S and dS (64 x (N + 8))
+/// tiles, per-step scalars and partial sums, and a kept 64 x N state in T.
+fn bwd_shared_bytes(dstate: i64) -> u32 {
+    (21264 + 512 * (dstate + 8) + 128 * dstate) as u32
+}
+
+/// head_msum's threads, and its shared memory (`msum_shared_bytes`, kernels/ssd_bwd.cu): two stages,
+/// each of a head's dy and x over the chunk (rows of 64 2-byte elements) and the chunk's {cum, dt}, in
+/// whole KiB; then a scaled copy of x's rows but the last tile's; plus a KiB to align them.
+const MSUM_THREADS: u32 = 256;
+fn msum_shared_bytes(chunk: i64) -> u32 {
+    let stage = whole_kib(2 * chunk * 64 * 2 + chunk * 8);
+    (2 * stage + (chunk - MMA_TILE) * 64 * 2 + 1024) as u32
+}
+
+/// bc_sums' shared memory (`bc_shared_bytes`, kernels/ssd_bwd.cu): two stages, each of a head's dy or
+/// x over the chunk (rows of 72 2-byte elements), a 64 x dstate state tile, the chunk's {cum, dt} and
+/// its last two steps', in whole KiB; plus a KiB to align them.
+fn bc_shared_bytes(chunk: i64, dstate: i64) -> u32 {
+    let stage = whole_kib(chunk * 72 * 2 + 64 * dstate * 2 + chunk * 8 + 16);
+    (2 * stage + 1024) as u32
+}
+
+/// Bytes rounded up to whole KiB (the kernels' pipeline stages keep their 128-byte-swizzled tiles
+/// 1024-byte aligned).
+fn whole_kib(bytes: i64) -> i64 {
+    (bytes.max(0) as u64).div_ceil(1024) as i64 * 1024
+}
+
+/// Whether the pointers suit the kernels: x, B, C (and dy) as 16-byte vectors (cp.async), states as
+/// float2, the rest as element pairs.
+pub(super) fn aligned(p: &SsdParams) -> bool {
+    let at = |ptr: *const c_void, bytes: usize| (ptr as usize).is_multiple_of(bytes);
+    at(p.x, 16)
+        && at(p.b, 16)
+        && at(p.c, 16)
+        && at(p.z, 4)
+        && at(p.y, 4)
+        && at(p.initial_states as *const c_void, 8)
+        && at(p.final_states as *const c_void, 8)
+        && at(p.chunk_states as *const c_void, 8)
+}
+
+pub(super) fn bwd_aligned(q: &SsdBwdParams) -> bool {
+    let at = |ptr: *const c_void, bytes: usize| (ptr as usize).is_multiple_of(bytes);
+    aligned(&q.fwd)
+        && at(q.dy, 16)
+        && at(q.dx, 4)
+        && at(q.dz, 4)
+        && at(q.dfinal_states as *const c_void, 8)
+        && at(q.dinitial_states as *const c_void, 8)
+}
+
+/// REDUCE_THREADS-thread blocks for `items` threads, at most `max_blocks` (the kernel then strides).
+fn flat(items: i64, max_blocks: u64) -> LaunchConfig {
+    let blocks = (items.max(0) as u64).div_ceil(REDUCE_THREADS as u64).min(max_blocks);
+    LaunchConfig { grid: (blocks, 1, 1), block: REDUCE_THREADS, shared_bytes: 0 }
+}
+
+fn blocks(p: &SsdParams, parts: i64, shared_bytes: u32) -> LaunchConfig {
+    LaunchConfig { grid: ((p.batch * p.heads) as u64, parts as u64, 1), block: THREADS, shared_bytes }
+}
+
+/// The forward; `workspace` is the workspace's aligned start, `workspace_bytes` long: the split takes
+/// as many records as fit there (none when null).
+pub(super) fn fwd(
+    ssd: &Ssd,
+    shape: &Shape,
+    workspace: *mut u8,
+    workspace_bytes: i64,
+    stream: *mut c_void,
+) -> Result<()> {
+    let p = &ssd.params;
+    if p.batch * p.heads == 0 {
+        return Ok(());
+    }
+    let max_records = if workspace.is_null() { 0 } else { workspace_bytes / plan::mma_fwd_record_bytes(shape) };
+    let split = plan::mma_fwd_split(shape, max_records, plan::Pieces::forward(shape, compute_capability(stream)?));
+    let args = FwdMmaParams { p: SsdParams { workspace: workspace as *mut c_void, ..*p }, split };
+    let types = format!("{}_n{}", ssd.dtype.name(), p.dstate);
+    let smem = fwd_shared_bytes(p.dstate);
+    if split.n_parts > 1 {
+        // SAFETY: the parameters of a validated call (see `launch`).
+        unsafe {
+            launch(stream, FWD_MODULE, &format!("ssd_fwd_mma_local_{types}"), blocks(p, split.records(), smem), &args)
+        }?;
+    }
+    // With z, a kernel of its own (kernels/ssd_fwd.cu: the gate's code slowed the ungated one).
+    let main = if p.z.is_null() { "ssd_fwd_mma" } else { "ssd_fwd_mma_gated" };
+    // SAFETY: the parameters of a validated call (see `launch`).
+    unsafe { launch(stream, FWD_MODULE, &format!("{main}_{types}"), blocks(p, split.n_parts, smem), &args) }
+}
+
+/// The backward, its scratch at `workspace` (the aligned start of at least
+/// `plan::mma_bwd_layout(shape).bytes`).
+pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut c_void) -> Result<()> {
+    let layout = plan::mma_bwd_layout(shape);
+    let at = |offset: i64| workspace.wrapping_add(offset as usize);
+    let mut args = BwdMmaParams {
+        q: bwd.params,
+        gated: at(layout.gated) as *mut c_void,
+        scratch: at(layout.scratch) as *mut c_void,
+        da_part: at(layout.da_part) as *mut f32,
+        dbias_part: at(layout.dbias_part) as *mut f32,
+        dd_part: at(layout.dd_part) as *mut f32,
+        records: at(layout.records) as *mut f32,
+        chunks_per_part: layout.chunks_per_part,
+        n_parts: layout.n_parts,
+        records_per_part: layout.records_per_part,
+        s_chunk: at(layout.s_chunk) as *mut c_void,
+        ds_chunk: at(layout.ds_chunk) as *mut c_void,
+        scal: at(layout.scal).cast(),
+        msum: at(layout.msum) as *mut f32,
+        msum_split: layout.msum_split,
+        db_part: at(layout.db_part) as *mut c_void,
+        dc_part: at(layout.dc_part) as *mut c_void,
+    };
+    let q = &bwd.params;
+    let p = &q.fwd;
+    if bwd.present.z {
+        // y before the gate, into `gated`, by the forward kernel, its split's records where the chunk
+        // states or the per-head partials go later (split less where they do not fit)...
+        let y_pre = SsdParams {
+            z: std::ptr::null(),
+            y: args.gated,
+            final_states: std::ptr::null_mut(),
+            chunk_states: std::ptr::null_mut(),
+            workspace: std::ptr::null_mut(),
+            workspace_bytes: 0,
+            ..*p
+        };
+        let present = Present { z: false, ..bwd.present };
+        let ssd = Ssd { params: y_pre, dtype: bwd.dtype, present, save_chunk_states: false };
+        let (records, records_bytes) = if layout.head_sums {
+            (args.s_chunk, 2 * layout.chunk_state_bytes)
+        } else {
+            (args.db_part, 2 * layout.part_bytes)
+        };
+        fwd(&ssd, shape, records as *mut u8, records_bytes, stream)?;
+        // ...then dz, and the gradient of y before the gate over it, which the ungated kernels take as dy.
+        let pairs = p.batch * p.seqlen * p.heads * p.headdim / 2;
+        let config = flat(pairs, REDUCE_MAX_BLOCKS);
+        // SAFETY: the parameters of a validated call (see `launch`).
+        unsafe { launch(stream, BWD_MODULE, &format!("ssd_bwd_gate_grad_{}", bwd.dtype.name()), config, &args) }?;
+        args.q = SsdBwdParams { dy: args.gated, fwd: SsdParams { z: std::ptr::null(), ..*p }, ..*q };
+    }
+    let types = format!("{}_n{}", bwd.dtype.name(), p.dstate);
+    let smem = bwd_shared_bytes(p.dstate);
+    if layout.n_parts > 1 {
+        let config = blocks(p, (layout.n_parts - 1) * layout.records_per_part, smem);
+        // SAFETY: the parameters of a validated call (see `launch`).
+        unsafe { launch(stream, BWD_MODULE, &format!("ssd_bwd_mma_local_{types}"), config, &args) }?;
+    }
+    let name = bwd.dtype.name();
+    if !layout.head_sums {
+        // dB, dC per head, then summed over each group: a thread per 8 states of (batch, seqlen, group).
+        let main = format!("ssd_bwd_mma_partials_{types}");
+        // SAFETY: the parameters of a validated call (see `launch`).
+        unsafe { launch(stream, BWD_MODULE, &main, blocks(p, layout.n_parts, smem), &args) }?;
+        let reduce_bc = flat(p.batch * p.seqlen * p.groups * p.dstate / 8, REDUCE_MAX_BLOCKS);
+        // SAFETY: the parameters of a validated call (see `launch`).
+        unsafe { launch(stream, BWD_MODULE, &format!("ssd_bwd_reduce_bc_{name}"), reduce_bc, &args) }?;
+        return reduce_params(p, &args, stream);
+    }
+    // dB, dC: each step's {cum, dt} (a warp per (batch, chunk, head)); after the main kernel, M summed
+    // over head ranges (a block per (batch, chunk, group) and range); then a block per (batch, chunk,
+    // group) for each of dB and dC. The scalars and M read nothing the kernel just ahead of them writes
+    // (the forward or the main kernel): they may start as that kernel's last blocks drain (each waits
+    // for it before finishing). bc_sums and reduce_params wait before they start, but their launch
+    // overlaps the kernel ahead (kernels/ssd_bwd.cu).
+    let n_chunks = (p.seqlen + p.chunk_size - 1) / p.chunk_size;
+    let units = (p.batch * n_chunks * p.groups) as u64;
+    let scalars = flat(p.batch * p.heads * n_chunks * 32, u64::MAX);
+    // SAFETY: the parameters of a validated call (see `launch`).
+    unsafe {
+        launch_ex(stream, BWD_MODULE, &format!("ssd_bwd_chunk_scalars_{name}"), scalars, &args, Start::Overlapping)
+    }?;
+    // SAFETY: the parameters of a validated call (see `launch`).
+    unsafe { launch(stream, BWD_MODULE, &format!("ssd_bwd_mma_{types}"), blocks(p, layout.n_parts, smem), &args) }?;
+    let msum = LaunchConfig {
+        grid: (units * layout.msum_split as u64, 1, 1),
+        block: MSUM_THREADS,
+        shared_bytes: msum_shared_bytes(p.chunk_size),
+    };
+    // SAFETY: the parameters of a validated call (see `launch`).
+    unsafe { launch_ex(stream, BWD_MODULE, &format!("ssd_bwd_head_msum_{name}"), msum, &args, Start::Overlapping) }?;
+    let bc = LaunchConfig {
+        grid: (units, 2, 1),
+        block: (2 * p.chunk_size) as u32,
+        shared_bytes: bc_shared_bytes(p.chunk_size, p.dstate),
+    };
+    // SAFETY: the parameters of a validated call (see `launch`).
+    unsafe { launch_ex(stream, BWD_MODULE, &format!("ssd_bwd_bc_sums_{types}"), bc, &args, Start::Overlapping) }?;
+    reduce_params(p, &args, stream)
+}
+
+/// dA, dD, ddt_bias from their per-(part, batch) partials: a block of headdim threads per head.
+fn reduce_params(p: &SsdParams, args: &BwdMmaParams, stream: *mut c_void) -> Result<()> {
+    let config = LaunchConfig { grid: (p.heads as u64, 1, 1), block: p.headdim as u32, shared_bytes: 0 };
+    // SAFETY: the parameters of a validated call (see `launch`).
+    unsafe { launch_ex(stream, BWD_MODULE, "ssd_bwd_reduce_params", config, args, Start::Overlapping) }
+}

@@ -1,0 +1,29 @@
+//! In-place operands (decode states): whether XLA aliased a result to its operand.
+
+use super::Tensor;
+use crate::error::{Error, Result};
+
+/// How an in-place operand reaches its result buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Alias {
+    /// XLA aliased them (`input_output_aliases`): the result is the operand's buffer; update it.
+    InPlace,
+    /// Distinct buffers: the operand is copied into the result first, which is then updated.
+    Copy,
+}
+
+/// Whether `result` is `operand`'s buffer. Distinct buffers that overlap partially would make
+/// either strategy write the wrong memory: refused.
+pub fn alias(op: &str, name: &str, operand: &Tensor, result: &Tensor) -> Result<Alias> {
+    if operand.data == result.data {
+        return Ok(Alias::InPlace);
+    }
+    let bytes = operand.numel() * operand.dtype.size_bytes();
+    let (a, b) = (operand.data as usize, result.data as usize);
+    if bytes > 0 && a < b + bytes as usize && b < a + bytes as usize {
+        return Err(Error::invalid(format!(
+            "{op}: result `{name}` overlaps operand `{name}` without being the same buffer"
+        )));
+    }
+    Ok(Alias::Copy)
+}

@@ -1,0 +1,410 @@
+//! The SSD CUDA targets (`xla_ssm_ssd_fwd_cuda`, `xla_ssm_ssd_bwd_cuda`: real call frames, device
+//! buffers, a real CUstream; and the C API's `*_cuda_launch`) against the f64 references of
+//! tests/suite/ssd_common and the CPU targets, over the matrix of the CPU tests plus training-sized shapes;
+//! reruns bitwise equal. `#[ignore]`d: they need a device (scripts/gpu-run.sh runs them).
+#![cfg(feature = "cuda")]
+
+use crate::common::cuda::*;
+use crate::common::xla::{self, Attr, Buf, Frame};
+use crate::common::{assert_close, Dt, Errors, Tol};
+use crate::ssd_common::*;
+use cudarc::driver::result;
+use std::ffi::c_void;
+use xla_ssm::capi::*;
+use xla_ssm::xla::handlers::{xla_ssm_ssd_bwd_cuda, xla_ssm_ssd_fwd_cuda};
+
+/// Runs a handler on device copies of `args` and `rets` on `stream`; the results' bytes.
+fn run_device(
+    handler: xla::Handler,
+    args: &[Arr],
+    rets: &[Arr],
+    attrs: &[(&str, Attr)],
+    stream: *mut c_void,
+) -> Result<Vec<Vec<u8>>, (i32, String)> {
+    let dargs: Vec<DevBuf> = args.iter().map(|a| DevBuf::upload(&a.bytes)).collect();
+    let drets: Vec<DevBuf> = rets.iter().map(|a| DevBuf::upload(&a.bytes)).collect();
+    // The synchronous copies are complete before any stream (non-blocking ones too) reads them.
+    result::ctx::synchronize().expect("cuCtxSynchronize");
+    let bufs = |list: &[Arr], ds: &[DevBuf]| -> Vec<Buf> {
+        list.iter().zip(ds).map(|(a, d)| Buf { dtype: a.dtype, dims: a.dims.clone(), data: d.data() }).collect()
+    };
+    let mut frame = Frame::new(&bufs(args, &dargs), &bufs(rets, &drets), attrs, stream);
+    let outcome = xla::call(handler, &mut frame);
+    synchronize(stream);
+    outcome?;
+    Ok(drets.iter().map(DevBuf::download).collect())
+}
+
+fn workspace(name: &'static str, bytes: i64) -> Arr {
+    Arr { name, dtype: xla::U8, dims: vec![bytes], bytes: vec![0xff; bytes as usize] }
+}
+
+fn fwd_bytes(c: &SsdCase) -> i64 {
+    let [b, l, h, p, n, g, q] =
+        [c.batch, c.seqlen, c.heads, c.headdim, c.dstate, c.groups, c.chunk_size].map(|v| v as i64);
+    xla_ssm_ssd_fwd_workspace_bytes(b, l, h, p, n, g, q, c.dtype.capi())
+}
+
+fn bwd_bytes(c: &SsdCase) -> i64 {
+    let [b, l, h, p, n, g, q] =
+        [c.batch, c.seqlen, c.heads, c.headdim, c.dstate, c.groups, c.chunk_size].map(|v| v as i64);
+    xla_ssm_ssd_bwd_workspace_bytes(b, l, h, p, n, g, q, c.dtype.capi())
+}
+
+/// The CUDA forward (saving chunk states), with a workspace of the size asked for, poisoned.
+fn gpu_fwd(p: &SsdProblem, stream: *mut c_void) -> Result<FwdOut, (i32, String)> {
+    let mut rets = p.fwd_results(true);
+    rets.push(workspace("workspace", fwd_bytes(&p.case)));
+    let out = run_device(xla_ssm_ssd_fwd_cuda, &p.operands(), &rets, &p.fwd_attrs(true), stream)?;
+    Ok(FwdOut::decode(&p.case, &out))
+}
+
+fn gpu_bwd(p: &SsdProblem, chunk_states: &[f32], stream: *mut c_void) -> Result<Grads<f32>, (i32, String)> {
+    let mut rets = p.bwd_results();
+    rets.push(workspace("workspace", bwd_bytes(&p.case)));
+    let out = run_device(xla_ssm_ssd_bwd_cuda, &p.bwd_operands(chunk_states), &rets, &p.bwd_attrs(), stream)?;
+    Ok(Grads::decode(&rets, &out))
+}
+
+fn f64s(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| x as f64).collect()
+}
+
+/// Forward and backward on the GPU against the reference, the CPU target's results (within
+/// twice the reference tolerance), and a second run (bitwise).
+fn roundtrip(case: &SsdCase, with_dfinal: bool, stream: *mut c_void) -> (Errors, Errors) {
+    let p = SsdProblem::random(case, with_dfinal);
+    let got = gpu_fwd(&p, stream).unwrap_or_else(|(c, m)| panic!("CUDA forward failed ({c}): {m}\ncase: {case:?}"));
+    let (ey, _) = check_fwd(case, &p.reference(), &got, case.cuda_states_tol());
+    let cs = got.chunk_states.clone().expect("chunk_states");
+    let grads =
+        gpu_bwd(&p, &cs, stream).unwrap_or_else(|(c, m)| panic!("CUDA backward failed ({c}): {m}\ncase: {case:?}"));
+    let eg = check_grads(case, &p.reference_bwd(), &grads);
+
+    let double = |t: Tol| Tol { rel_l2: 2.0 * t.rel_l2, rel_max: 2.0 * t.rel_max };
+    let cpu = p.run_fwd_cpu(true).unwrap();
+    assert_close("y (CUDA vs CPU)", case, &got.y, &f64s(&cpu.y), double(case.dtype.tol()));
+    let cpu_grads = p.run_bwd_cpu(&cs).unwrap();
+    assert_close("ddt (CUDA vs CPU)", case, &grads.ddt, &f64s(&cpu_grads.ddt), double(grad_tol(case, "ddt")));
+    assert_close("dA (CUDA vs CPU)", case, &grads.da, &f64s(&cpu_grads.da), double(grad_tol(case, "dA")));
+
+    let again = gpu_fwd(&p, stream).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(bits(&again.y) == bits(&got.y), "two CUDA forwards differ: {case:?}");
+    assert!(gpu_bwd(&p, &cs, stream).unwrap().bits() == grads.bits(), "two CUDA backwards differ: {case:?}");
+    (ey, eg)
+}
+
+fn roundtrip_all(what: &str, cases: &[SsdCase]) {
+    let stream = Stream::new();
+    let (mut y, mut g) = (0f64, 0f64);
+    for (k, case) in cases.iter().enumerate() {
+        let (ey, eg) = roundtrip(case, k % 2 == 0, stream.ptr());
+        y = y.max(ey.rel_l2);
+        g = g.max(eg.rel_l2);
+    }
+    println!("{what}: {} cases ok; worst rel L2 against the reference: y {y:.1e}, gradients {g:.1e}", cases.len());
+}
+
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
+fn shapes_groups_chunks() {
+    gpu();
+    // The CPU tests' matrix, and two training-sized shapes.
+    let cases = shape_cases(&[&SHAPES[..], &[(2, 500, 4, 64, 16, 1, 256), (1, 130, 16, 8, 128, 4, 64)]].concat());
+    roundtrip_all("shapes", &cases);
+}
+
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
+fn dtypes() {
+    gpu();
+    let mut cases = Vec::new();
+    for dtype in [Dt::F32, Dt::BF16, Dt::F16] {
+        for (limit, d) in [((0.0, f32::INFINITY), DForm::PerHead), (CLAMP, DForm::PerChannel)] {
+            let base = SsdCase { dtype, dt_limit: limit, groups: 2, chunk_size: 32, ..SsdCase::new(2, 77, 4, 16, 16) };
+            cases.push(SsdCase { d, ..base.all_optional() });
+        }
+    }
+    roundtrip_all("dtypes", &cases);
+}
+
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
+fn every_combination_of_optional_operands() {
+    gpu();
+    let mut cases = Vec::new();
+    let mut k = 0;
+    for d in [DForm::None, DForm::PerHead, DForm::PerChannel] {
+        for mask in 0..8 {
+            for (softplus, limit) in [(true, (0.0, f32::INFINITY)), (true, CLAMP), (false, NO_CLAMP), (false, CLAMP)] {
+                k += 1;
+                cases.push(SsdCase {
+                    d,
+                    has_z: mask & 1 != 0,
+                    has_dt_bias: mask & 2 != 0,
+                    has_initial_states: mask & 4 != 0,
+                    softplus,
+                    dt_limit: limit,
+                    groups: 2,
+                    chunk_size: 32,
+                    dtype: [Dt::F32, Dt::BF16, Dt::F16][k % 3],
+                    seed: k as u64,
+                    ..SsdCase::new(2, 45, 4, 3, 5)
+                });
+            }
+        }
+    }
+    roundtrip_all("optional operands", &cases);
+}
+
+/// Training-sized: batch 2, seqlen 1000, heads 8, headdim 64, dstate 128, in bf16 and f32.
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
+fn large_shapes() {
+    gpu();
+    let cases = [
+        SsdCase { dtype: Dt::BF16, chunk_size: 256, groups: 1, ..SsdCase::new(2, 1000, 8, 64, 128).all_optional() },
+        SsdCase {
+            dtype: Dt::F32,
+            chunk_size: 128,
+            groups: 2,
+            dt_limit: CLAMP,
+            ..SsdCase::new(2, 1000, 8, 64, 128).all_optional()
+        },
+    ];
+    roundtrip_all("large", &cases);
+}
+
+/// The tensor-core kernels (bf16/f16, headdim 64, dstate 64 or 128, chunks of whole 64-step tiles):
+/// odd lengths, groups, both forms of D, the clamp, z (the backward recomputes y before the gate,
+/// split as far as its records fit), the sequence splits of both passes (few batch x heads: up to
+/// one part per 64-step tile forward, per chunk backward), and both ways to dB and dC.
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
+fn tensor_core_paths() {
+    gpu();
+    let mut cases = Vec::new();
+    // (batch, seqlen, heads, dstate, groups, chunk_size, dtype, D form, z, clamp)
+    for (k, &(b, l, h, n, g, q, dtype, d, z, clamp)) in [
+        (1, 1, 1, 64, 1, 64, Dt::BF16, DForm::PerHead, false, false),
+        (1, 700, 2, 128, 1, 128, Dt::BF16, DForm::PerChannel, false, true),
+        (2, 333, 4, 64, 2, 64, Dt::F16, DForm::None, false, false),
+        (1, 1000, 3, 128, 3, 256, Dt::F16, DForm::PerHead, false, true),
+        (3, 130, 4, 128, 4, 64, Dt::BF16, DForm::PerHead, true, false),
+        (2, 64, 8, 64, 2, 64, Dt::BF16, DForm::PerChannel, false, false),
+        (1, 700, 2, 64, 1, 128, Dt::F16, DForm::PerChannel, true, true),
+        // 32 heads per group and 2 x 32 (batch, chunk, group) units: dB and dC through the head sums
+        // (plan::mma_bwd_head_sums); every case above takes the per-head partials.
+        (2, 8100, 32, 128, 1, 256, Dt::BF16, DForm::PerChannel, true, false),
+        // 16 (batch, head) pairs: the forward's first pass scans each part in two pieces
+        // (plan::mma_fwd_split), on the wgmma kernel and on the mma.sync one.
+        (2, 1087, 8, 128, 2, 64, Dt::BF16, DForm::PerHead, true, false),
+        (1, 1087, 16, 64, 4, 128, Dt::F16, DForm::PerChannel, false, true),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let case = SsdCase {
+            groups: g,
+            chunk_size: q,
+            dtype,
+            d,
+            has_z: z,
+            dt_limit: if clamp { CLAMP } else { (0.0, f32::INFINITY) },
+            seed: 700 + k as u64,
+            ..SsdCase::new(b, l, h, 64, n).all_optional()
+        };
+        assert!(case.tensor_cores());
+        cases.push(case);
+    }
+    roundtrip_all("tensor cores", &cases);
+}
+
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
+fn zero_sized_dims() {
+    gpu();
+    let stream = Stream::new();
+    for (b, l, h, p, g) in [(0, 9, 2, 3, 1), (2, 0, 2, 3, 1), (2, 9, 0, 3, 1), (2, 9, 2, 0, 2), (2, 0, 2, 0, 1)] {
+        for limit in [(0.0, f32::INFINITY), CLAMP] {
+            let case =
+                SsdCase { groups: g, chunk_size: 32, dt_limit: limit, ..SsdCase::new(b, l, h, p, 4).all_optional() };
+            let pr = SsdProblem::random(&case, true);
+            let got = gpu_fwd(&pr, stream.ptr()).unwrap();
+            check_fwd(&case, &pr.reference(), &got, case.cuda_states_tol());
+            let grads = gpu_bwd(&pr, got.chunk_states.as_ref().unwrap(), stream.ptr()).unwrap();
+            check_grads(&case, &pr.reference_bwd(), &grads);
+        }
+    }
+}
+
+/// A workspace that does not start on a 256-byte boundary works the same (the op aligns inside).
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
+fn misaligned_workspace() {
+    gpu();
+    let stream = Stream::new();
+    let case = SsdCase { groups: 2, dtype: Dt::BF16, ..SsdCase::new(2, 100, 4, 16, 16).all_optional() };
+    let p = SsdProblem::random(&case, true);
+    let want = gpu_fwd(&p, stream.ptr()).unwrap();
+    let bytes = fwd_bytes(&case);
+    let ws = DevBuf::upload(&vec![0u8; bytes as usize + 64]);
+    let dargs: Vec<DevBuf> = p.operands().iter().map(|a| DevBuf::upload(&a.bytes)).collect();
+    let rets = p.fwd_results(true);
+    let drets: Vec<DevBuf> = rets.iter().map(|a| DevBuf::upload(&a.bytes)).collect();
+    result::ctx::synchronize().unwrap();
+    let mut rb: Vec<Buf> =
+        rets.iter().zip(&drets).map(|(a, d)| Buf { dtype: a.dtype, dims: a.dims.clone(), data: d.data() }).collect();
+    rb.push(Buf { dtype: xla::U8, dims: vec![bytes], data: (ws.ptr + 4) as *mut c_void });
+    let ab: Vec<Buf> = p
+        .operands()
+        .iter()
+        .zip(&dargs)
+        .map(|(a, d)| Buf { dtype: a.dtype, dims: a.dims.clone(), data: d.data() })
+        .collect();
+    let mut frame = Frame::new(&ab, &rb, &p.fwd_attrs(true), stream.ptr());
+    xla::call(xla_ssm_ssd_fwd_cuda, &mut frame).unwrap();
+    synchronize(stream.ptr());
+    assert_eq!(case.dtype.decode(&drets[0].download()), want.y);
+}
+
+/// The C API's CUDA entry points give the handlers' bits, on the generic path (f32 chunk states)
+/// and on the tensor-core one (chunk states in T).
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
+fn c_api_cuda_launch_matches_handlers() {
+    gpu();
+    let stream = Stream::new();
+    let generic = SsdCase {
+        groups: 2,
+        d: DForm::PerChannel,
+        dt_limit: CLAMP,
+        dtype: Dt::BF16,
+        ..SsdCase::new(2, 90, 4, 8, 16).all_optional()
+    };
+    let tensor_cores = SsdCase { dtype: Dt::BF16, ..SsdCase::new(1, 130, 2, 64, 64).all_optional() };
+    for case in [generic, tensor_cores] {
+        c_api_cuda_case(&case, &stream);
+    }
+}
+
+fn c_api_cuda_case(case: &SsdCase, stream: &Stream) {
+    let p = SsdProblem::random(case, true);
+    let want_fwd = gpu_fwd(&p, stream.ptr()).unwrap();
+    let cs = want_fwd.chunk_states.clone().unwrap();
+    let want = gpu_bwd(&p, &cs, stream.ptr()).unwrap();
+
+    let ops = p.bwd_operands(&cs);
+    let dev: Vec<DevBuf> = ops.iter().map(|a| DevBuf::upload(&a.bytes)).collect();
+    let at = |n: &str| dev[ops.iter().position(|a| a.name == n).unwrap()].data();
+    let t = case.dtype;
+    let y = DevBuf::upload(&t.nans(case.x_len()));
+    let fin = DevBuf::upload(&Dt::F32.nans(case.state_len()));
+    let cs_dt = case.chunk_states_dt();
+    let cs_out = DevBuf::upload(&cs_dt.nans(case.chunk_len()));
+    let wsf = DevBuf::upload(&vec![0xffu8; fwd_bytes(case) as usize]);
+    result::ctx::synchronize().unwrap();
+    let [batch, seqlen, heads, headdim, dstate, groups, chunk_size] = case.capi_sizes();
+    let fwd_args = XlaSsmSsdFwdArgs {
+        batch,
+        seqlen,
+        heads,
+        headdim,
+        dstate,
+        groups,
+        chunk_size,
+        dtype: t.capi(),
+        d_per_channel: case.d == DForm::PerChannel,
+        dt_softplus: case.softplus,
+        dt_min: case.dt_limit.0,
+        dt_max: case.dt_limit.1,
+        x: at("x"),
+        dt: at("dt"),
+        a: at("A") as *const f32,
+        b: at("B"),
+        c: at("C"),
+        d: at("D") as *const f32,
+        z: at("z"),
+        dt_bias: at("dt_bias") as *const f32,
+        initial_states: at("initial_states") as *const f32,
+        y: y.data(),
+        final_states: fin.data() as *mut f32,
+        chunk_states: cs_out.data(),
+        chunk_states_dtype: cs_dt.capi(),
+        workspace: wsf.data(),
+        workspace_bytes: wsf.len as i64,
+    };
+    // SAFETY: device arrays of the sizes the struct describes.
+    assert_eq!(unsafe { xla_ssm_ssd_fwd_cuda_launch(&fwd_args, stream.ptr()) }, XLA_SSM_OK);
+    synchronize(stream.ptr());
+    assert_eq!(t.decode(&y.download()), want_fwd.y);
+    assert_eq!(cs_dt.decode(&cs_out.download()), cs, "{case:?}");
+
+    let grads: Vec<(Arr, DevBuf)> = p
+        .bwd_results()
+        .into_iter()
+        .map(|a| {
+            let d = DevBuf::upload(&a.bytes);
+            (a, d)
+        })
+        .collect();
+    let g = |n: &str| grads.iter().find(|(a, _)| a.name == n).unwrap().1.data();
+    let wsb = DevBuf::upload(&vec![0xffu8; bwd_bytes(case) as usize]);
+    result::ctx::synchronize().unwrap();
+    let bwd_args = XlaSsmSsdBwdArgs {
+        batch,
+        seqlen,
+        heads,
+        headdim,
+        dstate,
+        groups,
+        chunk_size,
+        dtype: t.capi(),
+        d_per_channel: case.d == DForm::PerChannel,
+        dt_softplus: case.softplus,
+        dt_min: case.dt_limit.0,
+        dt_max: case.dt_limit.1,
+        x: at("x"),
+        dt: at("dt"),
+        a: at("A") as *const f32,
+        b: at("B"),
+        c: at("C"),
+        d: at("D") as *const f32,
+        z: at("z"),
+        dt_bias: at("dt_bias") as *const f32,
+        initial_states: at("initial_states") as *const f32,
+        chunk_states: at("chunk_states"),
+        chunk_states_dtype: cs_dt.capi(),
+        dy: at("dy"),
+        dfinal_states: at("dfinal_states") as *const f32,
+        dx: g("dx"),
+        ddt: g("ddt"),
+        da: g("dA") as *mut f32,
+        db: g("dB"),
+        dc: g("dC"),
+        dd: g("dD") as *mut f32,
+        dz: g("dz"),
+        ddt_bias: g("ddt_bias") as *mut f32,
+        dinitial_states: g("dinitial_states") as *mut f32,
+        workspace: wsb.data(),
+        workspace_bytes: wsb.len as i64,
+    };
+    // SAFETY: as above.
+    assert_eq!(unsafe { xla_ssm_ssd_bwd_cuda_launch(&bwd_args, stream.ptr()) }, XLA_SSM_OK);
+    synchronize(stream.ptr());
+    let rets: Vec<Arr> = grads.iter().map(|(a, _)| a.clone()).collect();
+    let out: Vec<Vec<u8>> = grads.iter().map(|(_, d)| d.download()).collect();
+    assert!(Grads::decode(&rets, &out).bits() == want.bits(), "C API backward differs from the handler: {case:?}");
+
+    // Too small a workspace, or chunk_states declared in another dtype: refused, nothing launched.
+    let small = XlaSsmSsdBwdArgs { workspace_bytes: wsb.len as i64 - 1, ..bwd_args };
+    assert_eq!(unsafe { xla_ssm_ssd_bwd_cuda_launch(&small, stream.ptr()) }, XLA_SSM_INVALID_ARGUMENT);
+    let msg = unsafe { std::ffi::CStr::from_ptr(xla_ssm_last_error()) }.to_string_lossy().into_owned();
+    assert!(msg.starts_with("ssd_bwd") && msg.contains("`workspace`"), "{msg}");
+    let other = if cs_dt == Dt::F32 { t } else { Dt::F32 };
+    let wrong = XlaSsmSsdFwdArgs { chunk_states_dtype: other.capi(), ..fwd_args };
+    assert_eq!(unsafe { xla_ssm_ssd_fwd_cuda_launch(&wrong, stream.ptr()) }, XLA_SSM_INVALID_ARGUMENT);
+    let msg = unsafe { std::ffi::CStr::from_ptr(xla_ssm_last_error()) }.to_string_lossy().into_owned();
+    assert!(msg.starts_with("ssd_fwd") && msg.contains("`chunk_states`"), "{msg}");
+}
