@@ -44,13 +44,25 @@ bash bindings/elixir/test/run_pure.sh
 section "cargo build --release (the library pytest loads)"
 cargo build --release
 
-section "pytest tests/python"
 export XLA_SSM_LIBRARY="$PWD/target/release/libxla_ssm.so"
 export PYTHONPATH="$PWD/bindings/python${PYTHONPATH:+:$PYTHONPATH}"
+# The compatibility check runs beside pytest (each mostly keeps one core busy); its log follows.
+compat_log="$(mktemp)"
+bash scripts/compat.sh >"$compat_log" 2>&1 &
+compat_pid=$!
+
+section "pytest tests/python"
 python -m pytest tests/python -q -ra
 
-section "JAX compatibility: the smoke subset under jax 0.5.0 (the first jax.ffi), 0.9.0 (EXLA's XLA) and the newest (scripts/compat.sh)"
-bash scripts/compat.sh
+section "JAX compatibility: the smoke subset under jax 0.5.0 (the first jax.ffi), 0.9.0 (EXLA's XLA) and the newest (scripts/compat.sh, run beside pytest)"
+compat_status=0
+wait "$compat_pid" || compat_status=$?
+cat "$compat_log"
+rm -f "$compat_log"
+if [ "$compat_status" -ne 0 ]; then
+  echo "compat.sh failed (exit $compat_status)" >&2
+  exit "$compat_status"
+fi
 
 section "C++ host through PJRT: XLA's CPU plugin (PyPI lammps-jax-pjrt-cpu, PJRT 0.115) runs both targets (tests/cpp)"
 pjrt_dir="$PWD/.compat/pjrt-cpu-0.11.2"
