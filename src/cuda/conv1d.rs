@@ -4,7 +4,6 @@
 
 use super::{copy_async, launch, LaunchConfig};
 use crate::error::Result;
-use crate::ops::alias::Alias;
 use crate::ops::conv1d::{Conv, Kind};
 use std::ffi::c_void;
 
@@ -34,10 +33,9 @@ pub fn run(conv: &Conv, stream: *mut c_void) -> Result<()> {
             unsafe { launch(stream, m, &format!("causal_conv1d_bwd_dw_{types}"), per_channel, p) }
         }
         Kind::Update => {
-            if conv.alias == Alias::Copy {
-                let bytes = p.n_slots * p.dim * (p.width - 1) * conv.dtype.size_bytes();
+            if let Some(copy) = conv.state_copy() {
                 // SAFETY: validated, distinct device buffers of that size.
-                unsafe { copy_async(stream, p.conv_state, conv.state_in, bytes as usize) }?;
+                unsafe { copy_async(stream, copy.to, copy.from, copy.bytes) }?;
             }
             // SAFETY: the parameters of a validated call (see `launch`).
             unsafe { launch(stream, m, &format!("causal_conv1d_update_{types}"), flat(p.batch * p.dim), p) }

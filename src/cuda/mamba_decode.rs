@@ -4,22 +4,16 @@
 use super::state_update::{geometry, type_suffix};
 use super::{copy_async, launch};
 use crate::error::Result;
-use crate::ops::alias::Alias;
 use crate::ops::conv1d::Conv;
 use crate::ops::mamba_decode::DecodeParams;
-use crate::ops::state_update::{state_bytes, Update};
+use crate::ops::state_update::Update;
 use std::ffi::c_void;
 
 /// Enqueues the step on `stream` (after copying non-aliased states into their results).
 pub fn step(c: &Conv, u: &Update, stream: *mut c_void) -> Result<()> {
-    if c.alias == Alias::Copy {
-        let bytes = c.params.n_slots * c.params.dim * (c.params.width - 1) * c.dtype.size_bytes();
+    for copy in [c.state_copy(), u.state_copy()].into_iter().flatten() {
         // SAFETY: validated, distinct device buffers of that size.
-        unsafe { copy_async(stream, c.params.conv_state, c.state_in, bytes as usize) }?;
-    }
-    if u.alias == Alias::Copy {
-        // SAFETY: validated, distinct device buffers of that size.
-        unsafe { copy_async(stream, u.params.state, u.state_in, state_bytes(&u.params, u.state_dtype)) }?;
+        unsafe { copy_async(stream, copy.to, copy.from, copy.bytes) }?;
     }
     let mut ssm = u.params;
     if ssm.batch * ssm.dim == 0 {

@@ -35,6 +35,7 @@ pub fn check(result: sys::CUresult, what: &str) -> Result<()> {
         if p.is_null() {
             format!("{result:?}")
         } else {
+            // SAFETY: a static NUL-terminated string from the driver (above).
             unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned()
         }
     };

@@ -7,8 +7,7 @@
 
 use super::{copy_async, launch, LaunchConfig};
 use crate::error::Result;
-use crate::ops::alias::Alias;
-use crate::ops::state_update::{state_bytes, Update, UpdateParams};
+use crate::ops::state_update::{Update, UpdateParams};
 use crate::DType;
 use once_cell::sync::Lazy;
 use std::ffi::c_void;
@@ -63,9 +62,9 @@ pub(crate) fn type_suffix(types: &[DType]) -> String {
 }
 
 pub fn update(u: &Update, stream: *mut c_void) -> Result<()> {
-    if u.alias == Alias::Copy {
+    if let Some(copy) = u.state_copy() {
         // SAFETY: validated, distinct device buffers of that size.
-        unsafe { copy_async(stream, u.params.state, u.state_in, state_bytes(&u.params, u.state_dtype)) }?;
+        unsafe { copy_async(stream, copy.to, copy.from, copy.bytes) }?;
     }
     let mut p = u.params;
     if p.batch * p.dim == 0 {

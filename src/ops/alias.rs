@@ -27,3 +27,34 @@ pub fn alias(op: &str, name: &str, operand: &Tensor, result: &Tensor) -> Result<
     }
     Ok(Alias::Copy)
 }
+
+/// The copy a call whose in-place state XLA did not alias makes first: the operand's bytes into
+/// the result, which the kernel then updates.
+#[derive(Debug, Clone, Copy)]
+pub struct StateCopy {
+    pub from: *const std::ffi::c_void,
+    pub to: *mut std::ffi::c_void,
+    pub bytes: usize,
+}
+
+impl StateCopy {
+    /// The copy of `bytes` from `from` to `to`, when `alias` says there is one to make.
+    pub(crate) fn of(
+        alias: Alias,
+        from: *const std::ffi::c_void,
+        to: *mut std::ffi::c_void,
+        bytes: usize,
+    ) -> Option<StateCopy> {
+        (alias == Alias::Copy).then_some(StateCopy { from, to, bytes })
+    }
+
+    /// Makes the copy in host memory.
+    ///
+    /// # Safety
+    /// `from` and `to` address distinct host buffers of at least `bytes` bytes (as validation
+    /// checked for the buffers this copy was made from).
+    pub(crate) unsafe fn on_host(self) {
+        // SAFETY: the caller's promise.
+        unsafe { std::ptr::copy_nonoverlapping(self.from as *const u8, self.to as *mut u8, self.bytes) }
+    }
+}

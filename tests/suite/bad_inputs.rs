@@ -1685,6 +1685,7 @@ fn scan_bwd_api() -> CApi {
             field!(T, Ws, "workspace", workspace),
             field!(T, WsBytes, "", workspace_bytes),
         ],
+        // SAFETY (both): as for `scan_fwd_api`'s entry points.
         host: |p| unsafe { xla_ssm_selective_scan_bwd_host(p as *const T) },
         cuda: |p| unsafe { xla_ssm_selective_scan_bwd_cuda_launch(p as *const T, std::ptr::null_mut()) },
     }
@@ -1725,6 +1726,7 @@ fn ssd_fwd_api() -> CApi {
             field!(T, Ws, "workspace", workspace),
             field!(T, WsBytes, "", workspace_bytes),
         ],
+        // SAFETY (both): as for `scan_fwd_api`'s entry points.
         host: |p| unsafe { xla_ssm_ssd_fwd_host(p as *const T) },
         cuda: |p| unsafe { xla_ssm_ssd_fwd_cuda_launch(p as *const T, std::ptr::null_mut()) },
     }
@@ -1774,6 +1776,7 @@ fn ssd_bwd_api() -> CApi {
             field!(T, Ws, "workspace", workspace),
             field!(T, WsBytes, "", workspace_bytes),
         ],
+        // SAFETY (both): as for `scan_fwd_api`'s entry points.
         host: |p| unsafe { xla_ssm_ssd_bwd_host(p as *const T) },
         cuda: |p| unsafe { xla_ssm_ssd_bwd_cuda_launch(p as *const T, std::ptr::null_mut()) },
     }
@@ -1807,6 +1810,7 @@ fn state_update_api() -> CApi {
             field!(T, Opt, "state_batch_indices", state_batch_indices),
             field!(T, Out, "out", out),
         ],
+        // SAFETY (both): as for `scan_fwd_api`'s entry points.
         host: |p| unsafe { xla_ssm_selective_state_update_host(p as *const T) },
         cuda: |p| unsafe { xla_ssm_selective_state_update_cuda_launch(p as *const T, std::ptr::null_mut()) },
     }
@@ -1845,6 +1849,7 @@ fn decode_api() -> CApi {
             field!(T, In, "conv_weight", conv_weight),
             field!(T, Opt, "conv_bias", conv_bias),
         ],
+        // SAFETY (both): as for `scan_fwd_api`'s entry points.
         host: |p| unsafe { xla_ssm_mamba_decode_step_host(p as *const T) },
         cuda: |p| unsafe { xla_ssm_mamba_decode_step_cuda_launch(p as *const T, std::ptr::null_mut()) },
     }

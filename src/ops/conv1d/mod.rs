@@ -8,7 +8,7 @@
 //! The update op runs the same recurrence token by token from `conv_state` (the last W - 1 inputs,
 //! oldest first) and leaves the newest W - 1 inputs there, in place.
 
-use super::alias::{self, Alias};
+use super::alias::{self, Alias, StateCopy};
 use super::buffers::check_buffers;
 use super::selective_scan::Layout;
 use super::state_update::{check_indices_host, opt_ptr, slots};
@@ -83,6 +83,15 @@ pub struct Conv {
     /// update: how conv_state reaches its result.
     pub alias: Alias,
     pub state_in: *const c_void,
+}
+
+impl Conv {
+    /// update: the copy of a conv_state XLA did not alias into its result.
+    pub fn state_copy(&self) -> Option<StateCopy> {
+        let p = &self.params;
+        let bytes = (p.n_slots * p.dim * (p.width - 1) * self.dtype.size_bytes()) as usize;
+        StateCopy::of(self.alias, self.state_in, p.conv_state, bytes)
+    }
 }
 
 /// The operands of any of the three; those an op does not take are `None`.
@@ -272,15 +281,9 @@ pub fn run(conv: &Conv, platform: Platform) -> Result<()> {
         Platform::Cpu => {
             if conv.kind == Kind::Update {
                 check_indices_host(conv.kind.name(), p.state_batch_indices, p.batch, p.n_slots)?;
-                if conv.alias == Alias::Copy {
-                    // SAFETY: validated, non-overlapping buffers of this size.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            conv.state_in as *const u8,
-                            p.conv_state as *mut u8,
-                            (p.n_slots * p.dim * (p.width - 1) * conv.dtype.size_bytes()) as usize,
-                        )
-                    };
+                if let Some(copy) = conv.state_copy() {
+                    // SAFETY: validated, distinct host buffers of that size.
+                    unsafe { copy.on_host() };
                 }
             }
             crate::cpu::conv1d::run(conv);

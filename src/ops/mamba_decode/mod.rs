@@ -9,7 +9,6 @@
 //! then selective_state_update); this fused target fits layers whose dt, B, C do not depend on the conv
 //! output (as in Mamba-2, where in_proj produces them).
 
-use super::alias::Alias;
 use super::buffers::check_buffers;
 use super::conv1d::{self, ConvArgs, Kind};
 use super::selective_scan::Layout;
@@ -142,20 +141,9 @@ pub fn run(step: &Decode, platform: Platform) -> Result<()> {
     match platform {
         Platform::Cpu => {
             check_indices_host(OP, u.params.state_batch_indices, u.params.batch, u.params.n_slots)?;
-            // SAFETY (both copies): validated, non-overlapping buffers of these sizes.
-            if c.alias == Alias::Copy {
-                let bytes = c.params.n_slots * c.params.dim * (c.params.width - 1) * c.dtype.size_bytes();
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        c.state_in as *const u8,
-                        c.params.conv_state as *mut u8,
-                        bytes as usize,
-                    )
-                };
-            }
-            if u.alias == Alias::Copy {
-                let bytes = state_update::state_bytes(&u.params, u.state_dtype);
-                unsafe { std::ptr::copy_nonoverlapping(u.state_in as *const u8, u.params.state as *mut u8, bytes) };
+            for copy in [c.state_copy(), u.state_copy()].into_iter().flatten() {
+                // SAFETY: validated, distinct host buffers of that size.
+                unsafe { copy.on_host() };
             }
             crate::cpu::mamba_decode::step(c, u);
             Ok(())

@@ -8,7 +8,7 @@
 //! The state is updated in place: the host aliases the `state` operand to the `state` result; when it
 //! does not, the operand is copied into the result first (a full copy: costs what the kernel costs).
 
-use super::alias::{self, Alias};
+use super::alias::{self, Alias, StateCopy};
 use super::buffers::{check_buffers, Named};
 use super::{expect, expect_dtype, expect_nonnull, fmt_dims, Platform, Tensor};
 use crate::error::{Error, Result};
@@ -103,6 +103,15 @@ pub struct Update {
     /// Where the state comes from: the result itself, or the operand (copied over first).
     pub alias: Alias,
     pub state_in: *const c_void,
+}
+
+impl Update {
+    /// The copy of a state XLA did not alias into its result.
+    pub fn state_copy(&self) -> Option<StateCopy> {
+        let p = &self.params;
+        let bytes = (p.n_slots * p.dim * p.dstate * self.state_dtype.size_bytes()) as usize;
+        StateCopy::of(self.alias, self.state_in, p.state, bytes)
+    }
 }
 
 pub(crate) fn opt_ptr(t: Option<&Tensor>) -> *const c_void {
@@ -256,11 +265,6 @@ pub fn validate(args: &UpdateArgs) -> Result<Update> {
     Ok(Update { params, dtype, bc_dtype: b.dtype, state_dtype: args.state.dtype, alias, state_in: args.state.data })
 }
 
-/// Bytes of the state (what a non-aliased call copies).
-pub(crate) fn state_bytes(p: &UpdateParams, dtype: DType) -> usize {
-    (p.n_slots * p.dim * p.dstate * dtype.size_bytes()) as usize
-}
-
 /// Runs a validated state update.
 pub fn run(u: &Update, platform: Platform) -> Result<()> {
     match platform {
@@ -271,15 +275,9 @@ pub fn run(u: &Update, platform: Platform) -> Result<()> {
                 u.params.batch,
                 u.params.n_slots,
             )?;
-            if u.alias == Alias::Copy {
-                // SAFETY: validated non-overlapping buffers of this many bytes.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        u.state_in as *const u8,
-                        u.params.state as *mut u8,
-                        state_bytes(&u.params, u.state_dtype),
-                    )
-                };
+            if let Some(copy) = u.state_copy() {
+                // SAFETY: validated, distinct host buffers of that size.
+                unsafe { copy.on_host() };
             }
             crate::cpu::state_update::update(u);
             Ok(())
