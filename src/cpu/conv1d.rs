@@ -8,7 +8,7 @@ use crate::ops::conv1d::{Conv, ConvParams, Kind};
 use std::ffi::c_void;
 
 pub(crate) fn run(conv: &Conv) {
-    match conv.kind {
+    match conv.kind() {
         Kind::Fwd => fwd(conv),
         Kind::Bwd => bwd(conv),
         Kind::Update => update(conv, None),
@@ -18,7 +18,7 @@ pub(crate) fn run(conv: &Conv) {
 /// The update of a validated single-token call with `out` unused: the fused decode step's conv.
 /// Returns the (activated) outputs in f32, batch * dim of them (0 for padding rows).
 pub(crate) fn update_values(conv: &Conv) -> Vec<f32> {
-    let mut values = vec![0f32; (conv.params.batch * conv.params.dim) as usize];
+    let mut values = vec![0f32; (conv.params().batch * conv.params().dim) as usize];
     update(conv, Some(&mut values));
     values
 }
@@ -35,13 +35,13 @@ fn x_row(p: &ConvParams, b: usize, d: usize) -> usize {
 
 /// Weights (dim, width) and bias (dim; 0 without one) in f32.
 fn weights(conv: &Conv) -> (Vec<f32>, Vec<f32>) {
-    let p = &conv.params;
+    let p = &conv.params();
     let (_, dim, _, wd) = sizes(p);
     let (mut w, mut bias) = (vec![0f32; dim * wd], vec![0f32; dim]);
     // SAFETY: validated: weight (dim, width) and bias (dim) of the weights' dtype.
     unsafe {
-        Elems::new(conv.weight_dtype, p.weight, dim * wd).load(0, 1, &mut w);
-        if let Some(b) = Elems::optional(conv.weight_dtype, p.bias, dim) {
+        Elems::new(conv.weight_dtype(), p.weight, dim * wd).load(0, 1, &mut w);
+        if let Some(b) = Elems::optional(conv.weight_dtype(), p.bias, dim) {
             b.load(0, 1, &mut bias);
         }
     }
@@ -58,11 +58,11 @@ impl Inputs<'_> {
     /// # Safety
     /// `conv` was validated (fwd or bwd).
     unsafe fn new(conv: &Conv) -> Inputs<'_> {
-        let p = &conv.params;
+        let p = &conv.params();
         let (batch, dim, len, wd) = sizes(p);
         Inputs {
-            x: Elems::new(conv.dtype, p.x, batch * dim * len),
-            initial: Elems::optional(conv.dtype, p.initial_states, batch * dim * (wd - 1)),
+            x: Elems::new(conv.dtype(), p.x, batch * dim * len),
+            initial: Elems::optional(conv.dtype(), p.initial_states, batch * dim * (wd - 1)),
         }
     }
 
@@ -88,11 +88,11 @@ fn pre(w: &[f32], bias: f32, xpad: &[f32], t: usize) -> f32 {
 }
 
 fn fwd(conv: &Conv) {
-    let p = &conv.params;
+    let p = &conv.params();
     let (batch, dim, len, wd) = sizes(p);
     let (w, bias) = weights(conv);
     // SAFETY: validated shapes and dtypes; out overlaps no input.
-    let (inputs, out) = unsafe { (Inputs::new(conv), ElemsOut::new(conv.dtype, p.out, batch * dim * len)) };
+    let (inputs, out) = unsafe { (Inputs::new(conv), ElemsOut::new(conv.dtype(), p.out, batch * dim * len)) };
     let (mut xpad, mut y) = (vec![0f32; wd - 1 + len], vec![0f32; len]);
     for d in 0..dim {
         let w = &w[d * wd..][..wd];
@@ -109,7 +109,7 @@ fn fwd(conv: &Conv) {
 }
 
 fn bwd(conv: &Conv) {
-    let p = &conv.params;
+    let p = &conv.params();
     let (batch, dim, len, wd) = sizes(p);
     let k = wd - 1;
     let (w, bias) = weights(conv);
@@ -117,11 +117,11 @@ fn bwd(conv: &Conv) {
     let (inputs, dout, dx, dinitial, dweight, dbias) = unsafe {
         (
             Inputs::new(conv),
-            Elems::new(conv.dtype, p.dout, batch * dim * len),
-            ElemsOut::new(conv.dtype, p.out, batch * dim * len),
-            ElemsOut::optional(conv.dtype, p.dinitial_states, batch * dim * k),
-            ElemsOut::new(conv.weight_dtype, p.dweight, dim * wd),
-            ElemsOut::optional(conv.weight_dtype, p.dbias, dim),
+            Elems::new(conv.dtype(), p.dout, batch * dim * len),
+            ElemsOut::new(conv.dtype(), p.out, batch * dim * len),
+            ElemsOut::optional(conv.dtype(), p.dinitial_states, batch * dim * k),
+            ElemsOut::new(conv.weight_dtype(), p.dweight, dim * wd),
+            ElemsOut::optional(conv.weight_dtype(), p.dbias, dim),
         )
     };
     let (mut xpad, mut dxpad, mut g) = (vec![0f32; k + len], vec![0f32; k + len], vec![0f32; len]);
@@ -169,7 +169,7 @@ fn bwd(conv: &Conv) {
 
 /// Token by token from conv_state (in place); outputs to `p.out` or, when given, to `values`.
 fn update(conv: &Conv, mut values: Option<&mut [f32]>) {
-    let p = &conv.params;
+    let p = &conv.params();
     let (batch, dim, len, wd) = sizes(p);
     let k = wd - 1;
     let (w, bias) = weights(conv);
@@ -177,10 +177,10 @@ fn update(conv: &Conv, mut values: Option<&mut [f32]>) {
     // and out overlap no input, nor each other.
     let (x, ix, state, out) = unsafe {
         (
-            Elems::new(conv.dtype, p.x, batch * dim * len),
+            Elems::new(conv.dtype(), p.x, batch * dim * len),
             optional::<i32>(p.state_batch_indices as *const c_void, batch),
-            ElemsOut::new(conv.dtype, p.conv_state, p.n_slots as usize * dim * k),
-            ElemsOut::new(conv.dtype, p.out, if values.is_some() { 0 } else { batch * dim * len }),
+            ElemsOut::new(conv.dtype(), p.conv_state, p.n_slots as usize * dim * k),
+            ElemsOut::new(conv.dtype(), p.out, if values.is_some() { 0 } else { batch * dim * len }),
         )
     };
     let (mut xrow, mut y) = (vec![0f32; len], vec![0f32; len]);

@@ -268,8 +268,8 @@ impl Plan {
 // ------------------------------------------------------------------------------------ entry
 
 pub(crate) fn fwd(fwd: &Fwd) {
-    let p = &fwd.params;
-    let time_varying = fwd.bc_time_varying;
+    let p = &fwd.params();
+    let time_varying = fwd.bc_time_varying();
     let geom = Geom::new(p);
     let (batch, dim, seqlen, dstate) = (geom.batch, geom.dim, geom.seqlen, geom.dstate);
     if batch == 0 || dim == 0 {
@@ -279,7 +279,7 @@ pub(crate) fn fwd(fwd: &Fwd) {
     let bc_len = if time_varying { batch * (dim / geom.dim_per_group) * dstate * seqlen } else { dim * dstate };
     let state_len = batch * dim * dstate;
     let checkpoints_len = state_len * n_checkpoints(p.seqlen, p.checkpoint_len) as usize;
-    let (dtype, bc_dtype) = (fwd.dtype, fwd.bc_dtype);
+    let (dtype, bc_dtype) = (fwd.dtype(), fwd.bc_dtype());
     // SAFETY: `validate_fwd` checked every operand's shape, dtype and non-nullness against these
     // sizes; inputs are not written during the call (XLA does not alias them to the results, and the
     // C API takes them as const).

@@ -187,10 +187,10 @@ impl Plan {
 }
 
 pub(crate) fn bwd(bwd: &Bwd) {
-    let p = &bwd.params;
+    let p = &bwd.params();
     // Groups of time-varying B/C; 0 when they are time-invariant.
-    let groups = bwd.groups as usize;
-    let (dtype, bc_dtype) = (bwd.dtype, bwd.bc_dtype);
+    let groups = bwd.groups() as usize;
+    let (dtype, bc_dtype) = (bwd.dtype(), bwd.bc_dtype());
     let time_varying = groups > 0;
     let geom = Geom::new(&p.fwd);
     let (batch, dim, seqlen, n) = (geom.batch, geom.dim, geom.seqlen, geom.dstate);

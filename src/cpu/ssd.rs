@@ -40,19 +40,19 @@ fn ssd_dt(p: &SsdParams, raw: f32, bias: f32) -> (f32, bool) {
 
 /// dt of every (b, l, h) row, as f32.
 fn dt_rows(ssd: &Ssd) -> Vec<f32> {
-    let p = &ssd.params;
+    let p = &ssd.params();
     let rows = p.rows().max(0) as usize;
     let mut dt = vec![0f32; rows];
     // SAFETY: validated host array of `rows` elements of the inputs' dtype.
-    unsafe { Elems::new(ssd.dtype, p.dt, rows) }.load(0, 1, &mut dt);
+    unsafe { Elems::new(ssd.dtype(), p.dt, rows) }.load(0, 1, &mut dt);
     dt
 }
 
 /// dt_bias of head `h` (0 without one).
 fn bias(ssd: &Ssd, h: usize) -> f32 {
     // SAFETY: validated: dt_bias holds `heads` f32 when present.
-    if ssd.present.dt_bias {
-        unsafe { *ssd.params.dt_bias.add(h) }
+    if ssd.present().dt_bias {
+        unsafe { *ssd.params().dt_bias.add(h) }
     } else {
         0.0
     }
@@ -70,7 +70,7 @@ struct Expanded {
 /// dt broadcast over headdim (transformed when the scan cannot apply the clamp), A, and D and
 /// dt_bias where the scan reads them per channel.
 fn expand(ssd: &Ssd) -> Expanded {
-    let p = &ssd.params;
+    let p = &ssd.params();
     let (hd, heads) = (p.headdim as usize, p.heads as usize);
     // SAFETY: validated host array of this size.
     let a = unsafe { slice(p.a, p.heads) };
@@ -81,7 +81,7 @@ fn expand(ssd: &Ssd) -> Expanded {
         }
     }
     // Raw dt goes through f32 and back unchanged (f32 holds every bf16 and f16 value).
-    let mut delta = ElemVec::zeros(ssd.dtype, dt.len() * hd);
+    let mut delta = ElemVec::zeros(ssd.dtype(), dt.len() * hd);
     typed!(ElemVec, &mut delta, delta => broadcast(&dt, hd, delta));
     let per_channel = |f: &dyn Fn(usize) -> f32| (0..heads * hd).map(|i| f(i / hd)).collect::<Vec<f32>>();
     let a_exp = (0..heads * hd).flat_map(|i| std::iter::repeat_n(a[i / hd], p.dstate as usize)).collect();
@@ -122,19 +122,16 @@ pub(crate) fn fwd(ssd: &Ssd) -> Result<()> {
         scan_workspace: std::ptr::null_mut(),
         scan_workspace_bytes: 0,
     };
-    let in_t = ssd.save_chunk_states && ssd.chunk_states_dtype() != DType::F32;
-    let len = ssd.params.chunk_states_len();
+    let in_t = ssd.save_chunk_states() && ssd.chunk_states_dtype() != DType::F32;
+    let len = ssd.params().chunk_states_len();
     let mut checkpoints = vec![0f32; if in_t { len as usize } else { 0 }];
-    let mut run = *ssd;
-    if in_t {
-        run.params.chunk_states = checkpoints.as_mut_ptr() as *mut c_void;
-    }
+    let run = if in_t { ssd.with_chunk_states(checkpoints.as_mut_ptr() as *mut c_void) } else { *ssd };
     selective_scan::fwd(&scan_fwd(&run, &scratch)?);
     if in_t {
         // SAFETY: validated: chunk_states holds `len` elements of the inputs' dtype, which nothing
         // else accesses during the call.
         unsafe {
-            let out = ElemsOut::new(ssd.dtype, ssd.params.chunk_states, len as usize);
+            let out = ElemsOut::new(ssd.dtype(), ssd.params().chunk_states, len as usize);
             out.store(0, 1, &checkpoints);
         }
     }
@@ -143,10 +140,10 @@ pub(crate) fn fwd(ssd: &Ssd) -> Result<()> {
 
 pub(crate) fn bwd(bwd: &SsdBwd) -> Result<()> {
     let ssd = bwd.inputs();
-    let (p, q) = (&ssd.params, &bwd.params);
+    let (p, q) = (&ssd.params(), &bwd.params());
     let dim = p.dim();
     let mut e = expand(&ssd);
-    let mut ddelta = ElemVec::zeros(ssd.dtype, e.delta.len());
+    let mut ddelta = ElemVec::zeros(ssd.dtype(), e.delta.len());
     let mut da = vec![0f32; e.a.len()];
     let mut dd = vec![0f32; e.d.len()];
     let mut ddelta_bias = vec![0f32; e.dt_bias.len()];
@@ -167,15 +164,12 @@ pub(crate) fn bwd(bwd: &SsdBwd) -> Result<()> {
         let len = p.chunk_states_len().max(0) as usize;
         let mut widened = vec![0f32; len];
         // SAFETY: validated: chunk_states holds this many elements of the inputs' dtype.
-        unsafe { Elems::new(ssd.dtype, p.chunk_states as *const c_void, len) }.load(0, 1, &mut widened);
+        unsafe { Elems::new(ssd.dtype(), p.chunk_states as *const c_void, len) }.load(0, 1, &mut widened);
         widened
     } else {
         Vec::new()
     };
-    let mut run = *bwd;
-    if in_t {
-        run.params.fwd.chunk_states = widened.as_ptr() as *mut c_void;
-    }
+    let run = if in_t { bwd.with_chunk_states(widened.as_ptr() as *mut c_void) } else { *bwd };
     selective_scan_bwd::bwd(&scan_bwd(&run, &scratch)?);
 
     let (hd, heads) = (p.headdim as usize, p.heads as usize);
@@ -184,7 +178,7 @@ pub(crate) fn bwd(bwd: &SsdBwd) -> Result<()> {
     // ddt: the scan's ddelta summed over headdim; through the transform when delta was transformed.
     let mut ddt = vec![0f32; dt.len()];
     let mut row_grads = vec![0f32; hd];
-    let mut dbias_from_ddt = vec![0f32; if transformed && ssd.present.dt_bias { heads } else { 0 }];
+    let mut dbias_from_ddt = vec![0f32; if transformed && ssd.present().dt_bias { heads } else { 0 }];
     for (row, (out, &raw)) in ddt.iter_mut().zip(&dt).enumerate() {
         ddelta.view().load(row * hd, 1, &mut row_grads);
         let mut g: f32 = row_grads.iter().sum();
@@ -202,7 +196,7 @@ pub(crate) fn bwd(bwd: &SsdBwd) -> Result<()> {
     }
     // SAFETY: validated: ddt holds a row's element of the inputs' dtype per dt row; nothing else
     // accesses it during the call.
-    unsafe { ElemsOut::new(ssd.dtype, q.ddt, ddt.len()).store(0, 1, &ddt) };
+    unsafe { ElemsOut::new(ssd.dtype(), q.ddt, ddt.len()).store(0, 1, &ddt) };
     // Per-head parameters: the sums of their channels' gradients.
     let per_head = |v: &[f32], per: usize| -> Vec<f32> { v.chunks_exact(per.max(1)).map(|c| c.iter().sum()).collect() };
     // SAFETY: dA is (heads); dD (heads) when D is per head; ddt_bias (heads) when dt_bias is given.
@@ -212,7 +206,7 @@ pub(crate) fn bwd(bwd: &SsdBwd) -> Result<()> {
             if ssd.expands_d() {
                 slice_mut(q.dd, p.heads).copy_from_slice(&per_head(&dd, hd));
             }
-            if ssd.present.dt_bias {
+            if ssd.present().dt_bias {
                 let sums = if transformed { dbias_from_ddt } else { per_head(&ddelta_bias, hd) };
                 slice_mut(q.ddt_bias, p.heads).copy_from_slice(&sums);
             }
@@ -222,7 +216,7 @@ pub(crate) fn bwd(bwd: &SsdBwd) -> Result<()> {
             if ssd.expands_d() {
                 slice_mut(q.dd, p.heads).fill(0.0);
             }
-            if ssd.present.dt_bias {
+            if ssd.present().dt_bias {
                 slice_mut(q.ddt_bias, p.heads).fill(0.0);
             }
         }

@@ -19,7 +19,7 @@ pub(crate) fn update_row(u: &Update, xs: &[f32]) {
 }
 
 fn run(u: &Update, xs: Option<&[f32]>) {
-    let p = &u.params;
+    let p = &u.params();
     let (batch, dim, dstate) = (p.batch as usize, p.dim as usize, p.dstate as usize);
     if batch * dim == 0 {
         return;
@@ -32,17 +32,17 @@ fn run(u: &Update, xs: Option<&[f32]>) {
     let (x, dt, z, b, c, a, d_skip, dt_bias, ix, out, state) = unsafe {
         let bc_len = batch * groups * dstate;
         (
-            Elems::new(u.dtype, p.x, rows),
-            Elems::new(u.dtype, p.dt, rows),
-            Elems::optional(u.dtype, p.z, rows),
-            Elems::new(u.bc_dtype, p.b, bc_len),
-            Elems::new(u.bc_dtype, p.c, bc_len),
+            Elems::new(u.dtype(), p.x, rows),
+            Elems::new(u.dtype(), p.dt, rows),
+            Elems::optional(u.dtype(), p.z, rows),
+            Elems::new(u.bc_dtype(), p.b, bc_len),
+            Elems::new(u.bc_dtype(), p.c, bc_len),
             input::<f32>(p.a as *const c_void, dim * dstate),
             optional::<f32>(p.d as *const c_void, dim),
             optional::<f32>(p.dt_bias as *const c_void, dim),
             optional::<i32>(p.state_batch_indices as *const c_void, batch),
-            ElemsOut::new(u.dtype, p.out, rows),
-            ElemsOut::new(u.state_dtype, p.state, p.n_slots as usize * dim * dstate),
+            ElemsOut::new(u.dtype(), p.out, rows),
+            ElemsOut::new(u.state_dtype(), p.state, p.n_slots as usize * dim * dstate),
         )
     };
     let (mut xv, mut dtv, mut zv, mut y) = (vec![0f32; dim], vec![0f32; dim], vec![0f32; dim], vec![0f32; dim]);

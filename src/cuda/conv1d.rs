@@ -16,10 +16,10 @@ fn flat(n: i64) -> LaunchConfig {
 }
 
 pub fn run(conv: &Conv, stream: *mut c_void) -> Result<()> {
-    let p = &conv.params;
-    let types = format!("{}_{}", conv.dtype.name(), conv.weight_dtype.name());
+    let p = &conv.params();
+    let types = format!("{}_{}", conv.dtype().name(), conv.weight_dtype().name());
     let m = "causal_conv1d";
-    match conv.kind {
+    match conv.kind() {
         // SAFETY: the parameters of a validated call (see `launch`).
         Kind::Fwd => unsafe {
             launch(stream, m, &format!("causal_conv1d_fwd_{types}"), flat(p.batch * p.dim * p.seqlen), p)

@@ -15,19 +15,19 @@ pub fn step(c: &Conv, u: &Update, stream: *mut c_void) -> Result<()> {
         // SAFETY: validated, distinct device buffers of that size.
         unsafe { copy_async(stream, copy.to, copy.from, copy.bytes) }?;
     }
-    let mut ssm = u.params;
+    let mut ssm = u.params();
     if ssm.batch * ssm.dim == 0 {
         return Ok(());
     }
-    let (config, form) = geometry(&mut ssm, u.state_dtype, Some(c.params.width));
+    let (config, form) = geometry(&mut ssm, u.state_dtype(), Some(c.params().width));
     let params = DecodeParams {
         ssm,
-        conv_state: c.params.conv_state,
-        conv_weight: c.params.weight,
-        conv_bias: c.params.bias,
-        width: c.params.width,
+        conv_state: c.params().conv_state,
+        conv_weight: c.params().weight,
+        conv_bias: c.params().bias,
+        width: c.params().width,
     };
-    let types: [crate::DType; 4] = [u.dtype, u.bc_dtype, u.state_dtype, c.weight_dtype];
+    let types: [crate::DType; 4] = [u.dtype(), u.bc_dtype(), u.state_dtype(), c.weight_dtype()];
     let kernel = format!("mamba_decode_step_{}{form}", type_suffix(&types));
     // SAFETY: the parameters of a validated call (see `launch`).
     unsafe { launch(stream, "selective_state_update", &kernel, config, &params) }

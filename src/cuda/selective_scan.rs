@@ -58,14 +58,14 @@ fn lanes_per_channel(dstate: i64) -> i64 {
 }
 
 fn tiled_supported(fwd: &Fwd) -> bool {
-    let p = &fwd.params;
+    let p = &fwd.params();
     // Tiles move 16-byte vectors along the contiguous axis of u, delta, z and out.
-    let vec_elems = 16 / fwd.dtype.size_bytes();
+    let vec_elems = 16 / fwd.dtype().size_bytes();
     let contiguous_len = if p.x_stride_seq == 1 { p.seqlen } else { p.dim };
     let aligned = [p.u, p.delta, p.z, p.out as *const c_void].iter().all(|&ptr| (ptr as usize).is_multiple_of(16));
     let vectorizable = aligned && contiguous_len % vec_elems == 0;
     let channels = tiled_channels(tiled_threads_per_channel(p.dstate));
-    let one_group_per_tile = !fwd.bc_time_varying || p.dim_per_group == p.dim || p.dim_per_group % channels == 0;
+    let one_group_per_tile = !fwd.bc_time_varying() || p.dim_per_group == p.dim || p.dim_per_group % channels == 0;
     vectorizable && p.dstate <= TILED_MAX_DSTATE && one_group_per_tile && p.batch <= u16::MAX as i64
 }
 
@@ -77,11 +77,11 @@ fn tiled_supported(fwd: &Fwd) -> bool {
 /// channel: 4512 against 4738 us at dstate 128, 9847 against 11911 at 256); below, element by
 /// element was faster (587 against 597 at 16, 2116 against 2194 at 64; H100).
 fn tiled_bc_form(fwd: &Fwd, tpc: i64) -> &'static str {
-    let p = &fwd.params;
-    if !fwd.bc_time_varying {
+    let p = &fwd.params();
+    if !fwd.bc_time_varying() {
         return "invariant";
     }
-    let vec_elems = 16 / fwd.bc_dtype.size_bytes();
+    let vec_elems = 16 / fwd.bc_dtype().size_bytes();
     let (row_len, others) = if p.bc_stride_seq == 1 {
         (p.seqlen, [p.bc_stride_state, p.bc_stride_group, p.bc_stride_batch])
     } else if p.bc_stride_state == 1 && tpc >= 16 {
@@ -99,11 +99,11 @@ fn tiled_bc_form(fwd: &Fwd, tpc: i64) -> &'static str {
 }
 
 pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
-    let p = &fwd.params;
+    let p = &fwd.params();
     if p.batch * p.dim == 0 {
         return Ok(());
     }
-    let types = format!("{}_{}", fwd.dtype.name(), fwd.bc_dtype.name());
+    let types = format!("{}_{}", fwd.dtype().name(), fwd.bc_dtype().name());
     // The tiled kernel is 6-36x faster than the lanes kernel at the benchmark shapes on the H100
     // (`tests/cuda/fwd_check.cu time`), small ones included; lanes covers what tiled does not.
     if tiled_supported(fwd) && !forced("lanes") {
@@ -111,7 +111,7 @@ pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
         let needed = workspace_bytes(p.batch, p.dim, p.seqlen, p.dstate);
         // The records are f32: a host's misaligned scratch is not used rather than faulted on.
         let usable = !p.workspace.is_null() && (p.workspace as usize).is_multiple_of(4);
-        let split = n_chunks > 1 && needed > 0 && fwd.workspace_bytes >= needed && usable;
+        let split = n_chunks > 1 && needed > 0 && fwd.workspace_bytes() >= needed && usable;
         let tpc = tiled_threads_per_channel(p.dstate);
         // Tiled<1> has as many channels a block as Tiled<2>: the same tiles at either.
         let tiles = (p.dim + tiled_channels(tpc) - 1) / tiled_channels(tpc);
@@ -129,7 +129,7 @@ pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
             let config = LaunchConfig {
                 grid: (tiles as u64, p.batch as u64, grid_chunks as u64),
                 block: (tiled_channels(pass_tpc) * pass_tpc) as u32, // Tiled<TPC>::kThreads
-                shared_bytes: tiled_shared_bytes(fwd.dtype.size_bytes(), pass_tpc),
+                shared_bytes: tiled_shared_bytes(fwd.dtype().size_bytes(), pass_tpc),
             };
             // SAFETY: the parameters of a validated call (see `launch`).
             unsafe { launch(stream, "selective_scan_fwd", &kernel, config, params) }

@@ -46,19 +46,19 @@ fn shared_bytes(threads_per_channel: i64, tiles_per_chunk: i64) -> u32 {
 /// time-varying B and C).
 fn raw_tile_bytes(bwd: &Bwd, threads_per_channel: i64) -> u32 {
     let (steps, channels, nmax) = (TILE_STEPS, THREADS as i64 / threads_per_channel, 8 * threads_per_channel);
-    let bc = if bwd.bc_time_varying { 2 * steps * nmax * bwd.bc_dtype.size_bytes() } else { 0 };
-    (4 * channels * steps * bwd.dtype.size_bytes() + bc) as u32
+    let bc = if bwd.bc_time_varying() { 2 * steps * nmax * bwd.bc_dtype().size_bytes() } else { 0 };
+    (4 * channels * steps * bwd.dtype().size_bytes() + bc) as u32
 }
 
 pub fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
-    let p = &bwd.params.fwd;
-    let layout = bwd_layout(p.batch, p.dim, p.seqlen, p.dstate, bwd.groups, p.checkpoint_len);
+    let p = &bwd.params().fwd;
+    let layout = bwd_layout(p.batch, p.dim, p.seqlen, p.dstate, bwd.groups(), p.checkpoint_len);
     let needed = layout.floats * 4;
-    if needed > 0 && (p.workspace.is_null() || bwd.workspace_bytes < needed) {
+    if needed > 0 && (p.workspace.is_null() || bwd.workspace_bytes() < needed) {
         return Err(Error::invalid(format!(
             "selective_scan_bwd: result `workspace`: the CUDA backward needs at least {needed} bytes \
              (xla_ssm_selective_scan_bwd_workspace_bytes), got {}",
-            if p.workspace.is_null() { 0 } else { bwd.workspace_bytes }
+            if p.workspace.is_null() { 0 } else { bwd.workspace_bytes() }
         )));
     }
     if !(p.workspace as usize).is_multiple_of(4) {
@@ -88,11 +88,11 @@ pub fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
     };
     // The sequence split rides in the forward's split fields: parts of chunk_len steps.
     let params = BwdParams {
-        fwd: FwdParams { chunk_len: layout.part_len, n_chunks: layout.n_split, ..bwd.params.fwd },
-        ..bwd.params
+        fwd: FwdParams { chunk_len: layout.part_len, n_chunks: layout.n_split, ..bwd.params().fwd },
+        ..bwd.params()
     };
-    let form = if bwd.bc_time_varying { "varying" } else { "invariant" };
-    let types = format!("{}_{}_tpc{tpc}_{form}", bwd.dtype.name(), bwd.bc_dtype.name());
+    let form = if bwd.bc_time_varying() { "varying" } else { "invariant" };
+    let types = format!("{}_{}_tpc{tpc}_{form}", bwd.dtype().name(), bwd.bc_dtype().name());
     let tiled = |parts: i64| LaunchConfig {
         grid: (layout.blocks_per_row as u64, p.batch as u64, parts as u64),
         block: THREADS,
@@ -118,8 +118,8 @@ pub fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
         q: params,
         tiles_per_group: layout.tiles_per_group,
         bc_part: layout.bc_part_floats,
-        groups: bwd.groups.max(1),
-        varying_bc: bwd.bc_time_varying as i32,
+        groups: bwd.groups().max(1),
+        varying_bc: bwd.bc_time_varying() as i32,
         _reserved: 0,
     };
     let config = |items: i64| LaunchConfig {
@@ -127,9 +127,9 @@ pub fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
         block: REDUCE_THREADS,
         shared_bytes: 0,
     };
-    let bc = bwd.bc_dtype.name();
-    if bwd.bc_time_varying {
-        let groups = bwd.groups.max(1);
+    let bc = bwd.bc_dtype().name();
+    if bwd.bc_time_varying() {
+        let groups = bwd.groups().max(1);
         let items = p.batch * groups * p.seqlen * p.dstate;
         // SAFETY: the parameters of a validated call (see `launch`).
         unsafe {

@@ -21,8 +21,8 @@ const MAX_BLOCKS: u64 = 8192;
 
 /// The forward on `stream`: the first path that takes the call.
 pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
-    let p = &ssd.params;
-    let shape = shape(p, ssd.dtype);
+    let p = &ssd.params();
+    let shape = shape(p, ssd.dtype());
     if !plan::mma_applies(&shape) {
         return generic_fwd(ssd, stream);
     }
@@ -38,12 +38,12 @@ pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
 
 /// The backward on `stream`.
 pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
-    let p = &bwd.params.fwd;
-    let shape = shape(p, bwd.dtype);
+    let p = &bwd.params().fwd;
+    let shape = shape(p, bwd.dtype());
     if !plan::mma_applies(&shape) {
         return generic_bwd(bwd, stream);
     }
-    if !ssd_mma::bwd_aligned(&bwd.params) {
+    if !ssd_mma::bwd_aligned(&bwd.params()) {
         return Err(Error::invalid(
             "ssd_bwd: the CUDA target takes x, B, C and dy 16-byte aligned, z, y, dx and dz 4-byte aligned, the \
              states 8-byte aligned (XLA's buffers always are)",
@@ -140,33 +140,33 @@ fn expand(g: &GlueParams, dtype: DType, stream: *mut c_void) -> Result<()> {
 }
 
 fn generic_fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
-    let p = &ssd.params;
-    let layout = plan::fwd_layout(&shape(p, ssd.dtype));
+    let p = &ssd.params();
+    let layout = plan::fwd_layout(&shape(p, ssd.dtype()));
     let base = workspace_base("ssd_fwd", p, &layout, "xla_ssm_ssd_fwd_workspace_bytes")?;
     let scratch = carve(ssd, &layout, base, false);
     let q = SsdBwdParams::forward_only(*p);
-    expand(&glue(q, ssd, &scratch, std::ptr::null_mut()), ssd.dtype, stream)?;
+    expand(&glue(q, ssd, &scratch, std::ptr::null_mut()), ssd.dtype(), stream)?;
     selective_scan::run_fwd(&scan_fwd(ssd, &scratch)?, Platform::Cuda { stream })
 }
 
 fn generic_bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
     let ssd = bwd.inputs();
-    let p = &ssd.params;
-    let layout = plan::bwd_layout(&shape(p, ssd.dtype));
+    let p = &ssd.params();
+    let layout = plan::bwd_layout(&shape(p, ssd.dtype()));
     let base = workspace_base("ssd_bwd", p, &layout, "xla_ssm_ssd_bwd_workspace_bytes")?;
     let scratch = carve(&ssd, &layout, base, true);
-    let with_ddt_f32 = ssd.transformed() && ssd.present.dt_bias && !base.is_null();
+    let with_ddt_f32 = ssd.transformed() && ssd.present().dt_bias && !base.is_null();
     let ddt_f32 =
         if with_ddt_f32 { base.wrapping_add(layout.ddt_f32 as usize) as *mut f32 } else { std::ptr::null_mut() };
-    let g = glue(bwd.params, &ssd, &scratch, ddt_f32);
-    expand(&g, ssd.dtype, stream)?;
+    let g = glue(bwd.params(), &ssd, &scratch, ddt_f32);
+    expand(&g, ssd.dtype(), stream)?;
     selective_scan::run_bwd(&scan_bwd(bwd, &scratch)?, Platform::Cuda { stream })?;
     // ddt: a warp per (b, l, h) row, 8 rows per block.
     let rows_per_block = (THREADS / 32) as u64;
     let blocks = (p.rows().max(0) as u64).div_ceil(rows_per_block).min(MAX_BLOCKS);
     let config = LaunchConfig { grid: (blocks, 1, 1), block: THREADS, shared_bytes: 0 };
     // SAFETY: the parameters of a validated call (see `launch`).
-    unsafe { launch(stream, MODULE, &format!("ssd_glue_reduce_ddt_{}", ssd.dtype.name()), config, &g) }?;
+    unsafe { launch(stream, MODULE, &format!("ssd_glue_reduce_ddt_{}", ssd.dtype().name()), config, &g) }?;
     let per_head = LaunchConfig { grid: (p.heads as u64, 1, 1), block: THREADS, shared_bytes: 0 };
     // SAFETY: the parameters of a validated call (see `launch`).
     unsafe { launch(stream, MODULE, "ssd_glue_reduce_heads", per_head, &g) }

@@ -9,7 +9,7 @@
 use super::{compute_capability, launch, launch_ex, LaunchConfig, Start};
 use crate::error::Result;
 use crate::ops::ssd::plan::{self, Shape, MMA_TILE};
-use crate::ops::ssd::{BwdMmaParams, FwdMmaParams, Present, Ssd, SsdBwd, SsdBwdParams, SsdParams};
+use crate::ops::ssd::{BwdMmaParams, FwdMmaParams, Ssd, SsdBwd, SsdBwdParams, SsdParams};
 use std::ffi::c_void;
 
 const FWD_MODULE: &str = "ssd_fwd";
@@ -99,14 +99,14 @@ pub(super) fn fwd(
     workspace_bytes: i64,
     stream: *mut c_void,
 ) -> Result<()> {
-    let p = &ssd.params;
+    let p = &ssd.params();
     if p.batch * p.heads == 0 {
         return Ok(());
     }
     let max_records = if workspace.is_null() { 0 } else { workspace_bytes / plan::mma_fwd_record_bytes(shape) };
     let split = plan::mma_fwd_split(shape, max_records, plan::Pieces::forward(shape, compute_capability(stream)?));
     let args = FwdMmaParams { p: SsdParams { workspace: workspace as *mut c_void, ..*p }, split };
-    let types = format!("{}_n{}", ssd.dtype.name(), p.dstate);
+    let types = format!("{}_n{}", ssd.dtype().name(), p.dstate);
     let smem = fwd_shared_bytes(p.dstate);
     if split.n_parts > 1 {
         // SAFETY: the parameters of a validated call (see `launch`).
@@ -126,7 +126,7 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
     let layout = plan::mma_bwd_layout(shape);
     let at = |offset: i64| workspace.wrapping_add(offset as usize);
     let mut args = BwdMmaParams {
-        q: bwd.params,
+        q: bwd.params(),
         gated: at(layout.gated) as *mut c_void,
         scratch: at(layout.scratch) as *mut c_void,
         da_part: at(layout.da_part) as *mut f32,
@@ -144,22 +144,12 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
         db_part: at(layout.db_part) as *mut c_void,
         dc_part: at(layout.dc_part) as *mut c_void,
     };
-    let q = &bwd.params;
+    let q = &bwd.params();
     let p = &q.fwd;
-    if bwd.present.z {
+    if bwd.present().z {
         // y before the gate, into `gated`, by the forward kernel, its split's records where the chunk
         // states or the per-head partials go later (split less where they do not fit)...
-        let y_pre = SsdParams {
-            z: std::ptr::null(),
-            y: args.gated,
-            final_states: std::ptr::null_mut(),
-            chunk_states: std::ptr::null_mut(),
-            workspace: std::ptr::null_mut(),
-            workspace_bytes: 0,
-            ..*p
-        };
-        let present = Present { z: false, ..bwd.present };
-        let ssd = Ssd { params: y_pre, dtype: bwd.dtype, present, save_chunk_states: false };
+        let ssd = bwd.ungated_forward(args.gated);
         let (records, records_bytes) = if layout.head_sums {
             (args.s_chunk, 2 * layout.chunk_state_bytes)
         } else {
@@ -170,17 +160,17 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
         let pairs = p.batch * p.seqlen * p.heads * p.headdim / 2;
         let config = flat(pairs, REDUCE_MAX_BLOCKS);
         // SAFETY: the parameters of a validated call (see `launch`).
-        unsafe { launch(stream, BWD_MODULE, &format!("ssd_bwd_gate_grad_{}", bwd.dtype.name()), config, &args) }?;
+        unsafe { launch(stream, BWD_MODULE, &format!("ssd_bwd_gate_grad_{}", bwd.dtype().name()), config, &args) }?;
         args.q = SsdBwdParams { dy: args.gated, fwd: SsdParams { z: std::ptr::null(), ..*p }, ..*q };
     }
-    let types = format!("{}_n{}", bwd.dtype.name(), p.dstate);
+    let types = format!("{}_n{}", bwd.dtype().name(), p.dstate);
     let smem = bwd_shared_bytes(p.dstate);
     if layout.n_parts > 1 {
         let config = blocks(p, (layout.n_parts - 1) * layout.records_per_part, smem);
         // SAFETY: the parameters of a validated call (see `launch`).
         unsafe { launch(stream, BWD_MODULE, &format!("ssd_bwd_mma_local_{types}"), config, &args) }?;
     }
-    let name = bwd.dtype.name();
+    let name = bwd.dtype().name();
     if !layout.head_sums {
         // dB, dC per head, then summed over each group: a thread per 8 states of (batch, seqlen, group).
         let main = format!("ssd_bwd_mma_partials_{types}");

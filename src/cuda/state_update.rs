@@ -66,12 +66,12 @@ pub fn update(u: &Update, stream: *mut c_void) -> Result<()> {
         // SAFETY: validated, distinct device buffers of that size.
         unsafe { copy_async(stream, copy.to, copy.from, copy.bytes) }?;
     }
-    let mut p = u.params;
+    let mut p = u.params();
     if p.batch * p.dim == 0 {
         return Ok(());
     }
-    let (config, form) = geometry(&mut p, u.state_dtype, None);
-    let kernel = format!("selective_state_update_{}{form}", type_suffix(&[u.dtype, u.bc_dtype, u.state_dtype]));
+    let (config, form) = geometry(&mut p, u.state_dtype(), None);
+    let kernel = format!("selective_state_update_{}{form}", type_suffix(&[u.dtype(), u.bc_dtype(), u.state_dtype()]));
     // SAFETY: the parameters of a validated call (see `launch`).
     unsafe { launch(stream, "selective_state_update", &kernel, config, &p) }
 }

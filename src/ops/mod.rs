@@ -6,6 +6,19 @@ use crate::error::{Error, Result};
 use crate::DType;
 use std::ffi::c_void;
 
+/// Declares a validated call: a struct whose fields are private, with a getter each. Only the
+/// op's `validate` can build one, so a backend that holds one holds parameters that passed every
+/// check (what the `unsafe` kernel launches rely on).
+macro_rules! validated {
+    ($(#[$meta:meta])* pub struct $name:ident { $($(#[$fmeta:meta])* $field:ident: $ty:ty,)* }) => {
+        $(#[$meta])*
+        pub struct $name { $($(#[$fmeta])* $field: $ty,)* }
+        impl $name {
+            $($(#[$fmeta])* pub fn $field(&self) -> $ty { self.$field })*
+        }
+    };
+}
+
 pub mod selective_scan;
 pub mod ssd;
 

@@ -71,18 +71,20 @@ pub struct ConvParams {
     pub _reserved: i32,
 }
 
-/// A validated call of one of the three.
-#[derive(Debug, Clone, Copy)]
-pub struct Conv {
-    pub kind: Kind,
-    pub params: ConvParams,
-    /// dtype of x, out, dout, dx and the states.
-    pub dtype: DType,
-    /// dtype of weight and bias (and their gradients).
-    pub weight_dtype: DType,
-    /// update: how conv_state reaches its result.
-    pub alias: Alias,
-    pub state_in: *const c_void,
+validated! {
+    /// A validated call of one of the three.
+    #[derive(Debug, Clone, Copy)]
+    pub struct Conv {
+        kind: Kind,
+        params: ConvParams,
+        /// dtype of x, out, dout, dx and the states.
+        dtype: DType,
+        /// dtype of weight and bias (and their gradients).
+        weight_dtype: DType,
+        /// update: how conv_state reaches its result.
+        alias: Alias,
+        state_in: *const c_void,
+    }
 }
 
 impl Conv {

@@ -51,10 +51,12 @@ pub struct DecodeArgs<'a> {
     pub dt_softplus: bool,
 }
 
-/// A validated fused step: its two halves, validated as the separate ops validate them.
-pub struct Decode {
-    pub conv: conv1d::Conv,
-    pub update: state_update::Update,
+validated! {
+    /// A validated fused step: its two halves, validated as the separate ops validate them.
+    pub struct Decode {
+        conv: conv1d::Conv,
+        update: state_update::Update,
+    }
 }
 
 pub const OP: &str = "mamba_decode_step";
@@ -110,10 +112,11 @@ pub fn validate(a: &DecodeArgs) -> Result<Decode> {
         layout: Layout::ChannelFirst,
     })
     .map_err(rename)?;
-    if conv.params.n_slots != update.params.n_slots {
+    if conv.params().n_slots != update.params().n_slots {
         return Err(Error::invalid(format!(
             "{OP}: operands `conv_state` and `ssm_state`: expected the same number of slots, got {} and {}",
-            conv.params.n_slots, update.params.n_slots
+            conv.params().n_slots,
+            update.params().n_slots
         )));
     }
     let operands = [
@@ -140,7 +143,7 @@ pub fn run(step: &Decode, platform: Platform) -> Result<()> {
     let (c, u) = (&step.conv, &step.update);
     match platform {
         Platform::Cpu => {
-            check_indices_host(OP, u.params.state_batch_indices, u.params.batch, u.params.n_slots)?;
+            check_indices_host(OP, u.params().state_batch_indices, u.params().batch, u.params().n_slots)?;
             for copy in [c.state_copy(), u.state_copy()].into_iter().flatten() {
                 // SAFETY: validated, distinct host buffers of that size.
                 unsafe { copy.on_host() };

@@ -125,18 +125,20 @@ pub struct FwdParams {
     pub checkpoint_len: i64,
 }
 
-/// A validated forward call.
-#[derive(Debug, Clone, Copy)]
-pub struct Fwd {
-    pub params: FwdParams,
-    /// dtype of u, delta, z and out.
-    pub dtype: DType,
-    /// dtype of B and C.
-    pub bc_dtype: DType,
-    /// B and C are (batch, groups, dstate, seqlen)-like rather than (dim, dstate).
-    pub bc_time_varying: bool,
-    /// Size of the workspace the host passed (0: none).
-    pub workspace_bytes: i64,
+validated! {
+    /// A validated forward call.
+    #[derive(Debug, Clone, Copy)]
+    pub struct Fwd {
+        params: FwdParams,
+        /// dtype of u, delta, z and out.
+        dtype: DType,
+        /// dtype of B and C.
+        bc_dtype: DType,
+        /// B and C are (batch, groups, dstate, seqlen)-like rather than (dim, dstate).
+        bc_time_varying: bool,
+        /// Size of the workspace the host passed (0: none).
+        workspace_bytes: i64,
+    }
 }
 
 /// Channels per block of the CUDA `tiled` kernel up to dstate 64 (`kTileChannels`); the split plans
@@ -619,19 +621,21 @@ pub struct BwdReduceParams {
     pub _reserved: i32,
 }
 
-/// A validated backward call.
-#[derive(Debug, Clone, Copy)]
-pub struct Bwd {
-    pub params: BwdParams,
-    /// dtype of u, delta, z, dout and their gradients.
-    pub dtype: DType,
-    /// dtype of B, C, dB and dC.
-    pub bc_dtype: DType,
-    pub bc_time_varying: bool,
-    /// Groups of time-varying B/C; 0 when they are time-invariant.
-    pub groups: i64,
-    /// Size of the workspace the host passed (0: none).
-    pub workspace_bytes: i64,
+validated! {
+    /// A validated backward call.
+    #[derive(Debug, Clone, Copy)]
+    pub struct Bwd {
+        params: BwdParams,
+        /// dtype of u, delta, z, dout and their gradients.
+        dtype: DType,
+        /// dtype of B, C, dB and dC.
+        bc_dtype: DType,
+        bc_time_varying: bool,
+        /// Groups of time-varying B/C; 0 when they are time-invariant.
+        groups: i64,
+        /// Size of the workspace the host passed (0: none).
+        workspace_bytes: i64,
+    }
 }
 
 /// Checks the inputs as [`validate_fwd`] does, then the checkpoints, the cotangents and every

@@ -333,28 +333,66 @@ pub struct BwdArgs<'a> {
     pub workspace: Option<&'a Tensor>,
 }
 
-/// A validated forward call.
-#[derive(Debug, Clone, Copy)]
-pub struct Ssd {
-    pub params: SsdParams,
-    /// dtype of x, dt, B, C, z and y.
-    pub dtype: DType,
-    pub present: Present,
-    /// Whether the call writes chunk_states (its pointer may be null when they are empty).
-    pub save_chunk_states: bool,
+validated! {
+    /// A validated forward call.
+    #[derive(Debug, Clone, Copy)]
+    pub struct Ssd {
+        params: SsdParams,
+        /// dtype of x, dt, B, C, z and y.
+        dtype: DType,
+        present: Present,
+        /// Whether the call writes chunk_states (its pointer may be null when they are empty).
+        save_chunk_states: bool,
+    }
 }
 
-/// A validated backward call.
-#[derive(Debug, Clone, Copy)]
-pub struct SsdBwd {
-    pub params: SsdBwdParams,
-    /// dtype of x, dt, B, C, z, dy and their gradients.
-    pub dtype: DType,
-    pub present: Present,
-    pub has_dfinal_states: bool,
+validated! {
+    /// A validated backward call.
+    #[derive(Debug, Clone, Copy)]
+    pub struct SsdBwd {
+        params: SsdBwdParams,
+        /// dtype of x, dt, B, C, z, dy and their gradients.
+        dtype: DType,
+        present: Present,
+        has_dfinal_states: bool,
+    }
+}
+
+impl SsdBwd {
+    /// The same call reading the forward's chunk states from `chunk_states` (the CPU's f32 copy of
+    /// them).
+    pub fn with_chunk_states(&self, chunk_states: *mut c_void) -> SsdBwd {
+        let mut bwd = *self;
+        bwd.params.fwd.chunk_states = chunk_states;
+        bwd
+    }
+
+    /// The forward the backward with z runs first on the CUDA tensor-core path: y before the gate,
+    /// into `y_pre` (same shape and dtype as y), without z, final states, chunk states or workspace.
+    pub fn ungated_forward(&self, y_pre: *mut c_void) -> Ssd {
+        let params = SsdParams {
+            z: std::ptr::null(),
+            y: y_pre,
+            final_states: std::ptr::null_mut(),
+            chunk_states: std::ptr::null_mut(),
+            workspace: std::ptr::null_mut(),
+            workspace_bytes: 0,
+            ..self.params.fwd
+        };
+        let present = Present { z: false, ..self.present };
+        Ssd { params, dtype: self.dtype, present, save_chunk_states: false }
+    }
 }
 
 impl Ssd {
+    /// The same call writing its chunk states to `chunk_states` instead (the CPU's f32 scratch, when
+    /// the caller's are in the inputs' dtype).
+    pub fn with_chunk_states(&self, chunk_states: *mut c_void) -> Ssd {
+        let mut ssd = *self;
+        ssd.params.chunk_states = chunk_states;
+        ssd
+    }
+
     /// The element type of chunk_states ([`plan::chunk_states_dtype`]).
     pub fn chunk_states_dtype(&self) -> DType {
         self.params.chunk_states_dtype(self.dtype)

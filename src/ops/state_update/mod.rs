@@ -90,19 +90,21 @@ pub struct UpdateParams {
     pub _reserved: i32,
 }
 
-/// A validated state update.
-#[derive(Debug, Clone, Copy)]
-pub struct Update {
-    pub params: UpdateParams,
-    /// dtype of x, dt, z and out.
-    pub dtype: DType,
-    /// dtype of B and C.
-    pub bc_dtype: DType,
-    /// dtype of the state.
-    pub state_dtype: DType,
-    /// Where the state comes from: the result itself, or the operand (copied over first).
-    pub alias: Alias,
-    pub state_in: *const c_void,
+validated! {
+    /// A validated state update.
+    #[derive(Debug, Clone, Copy)]
+    pub struct Update {
+        params: UpdateParams,
+        /// dtype of x, dt, z and out.
+        dtype: DType,
+        /// dtype of B and C.
+        bc_dtype: DType,
+        /// dtype of the state.
+        state_dtype: DType,
+        /// Where the state comes from: the result itself, or the operand (copied over first).
+        alias: Alias,
+        state_in: *const c_void,
+    }
 }
 
 impl Update {
