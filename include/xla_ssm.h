@@ -697,6 +697,10 @@ XLA_FFI_Error *xla_ssm_mamba_decode_step_cpu(XLA_FFI_CallFrame *call_frame);
 // Called by XLA with a valid call frame.
 XLA_FFI_Error *xla_ssm_mamba_decode_step_cuda(XLA_FFI_CallFrame *call_frame);
 
+// The signature of every target (`crate::ops::signature`) as JSON: what each takes and returns, by
+// name, and its attributes. Hosts that build calls by hand and the Python package's tests read it.
+const char *xla_ssm_target_signatures(void);
+
 // Registers every `xla_ssm_*` target with a host's XLA FFI API table for `platform`: "Host" (or
 // "cpu") for the CPU handlers, "CUDA" for the CUDA ones. For C++ hosts that embed XLA
 // (`xla::ffi::GetXlaFfiApi()`) or reach a PJRT plugin's table. Registering the same handlers again

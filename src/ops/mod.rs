@@ -20,6 +20,7 @@ macro_rules! validated {
 }
 
 pub mod selective_scan;
+pub mod signature;
 pub mod ssd;
 
 /// Where an operation runs.

@@ -1,87 +1,40 @@
 //! Call frames of `xla_ssm_causal_conv1d_fwd` / `_bwd` / `_update` (docs/decode.md).
 
 use super::frame::Frame;
-use super::operands;
+use super::operands::{prefixed, Call};
 use crate::error::Result;
 use crate::ops::conv1d::*;
+use crate::ops::signature::{CAUSAL_CONV1D_BWD, CAUSAL_CONV1D_FWD, CAUSAL_CONV1D_UPDATE};
 use crate::ops::Platform;
 
 /// The XLA handlers' body, for each of the three.
 pub fn from_frame(frame: &Frame, platform: Platform, kind: Kind) -> Result<()> {
-    let op = kind.name();
-    let pre = operands::prefixed(op);
-    let silu = frame.attr_bool("silu").map_err(&pre)?;
-    let layout = parse_layout(op, &frame.attr_str("layout").map_err(&pre)?)?;
-    let conv = match kind {
-        Kind::Fwd => {
-            let (req, opt) = operands::operands(frame, op, &["x", "weight"], &["bias", "initial_states"])?;
-            let rets = operands::results(frame, op, &["out"])?;
-            validate(&ConvArgs {
-                kind,
-                x: &req[0],
-                weight: &req[1],
-                bias: opt[0].as_ref(),
-                initial_states: opt[1].as_ref(),
-                dout: None,
-                conv_state: None,
-                state_batch_indices: None,
-                out: &rets[0],
-                dweight: None,
-                dbias: None,
-                dinitial_states: None,
-                silu,
-                layout,
-            })?
-        }
-        Kind::Bwd => {
-            let (req, opt) = operands::operands(frame, op, &["x", "weight", "dout"], &["bias", "initial_states"])?;
-            let mut names = vec!["dx", "dweight"];
-            if opt[0].is_some() {
-                names.push("dbias");
-            }
-            if opt[1].is_some() {
-                names.push("dinitial_states");
-            }
-            let rets = operands::results(frame, op, &names)?;
-            let find = |n: &str| names.iter().position(|m| *m == n).map(|i| &rets[i]);
-            validate(&ConvArgs {
-                kind,
-                x: &req[0],
-                weight: &req[1],
-                bias: opt[0].as_ref(),
-                initial_states: opt[1].as_ref(),
-                dout: Some(&req[2]),
-                conv_state: None,
-                state_batch_indices: None,
-                out: &rets[0],
-                dweight: Some(&rets[1]),
-                dbias: find("dbias"),
-                dinitial_states: find("dinitial_states"),
-                silu,
-                layout,
-            })?
-        }
-        Kind::Update => {
-            let (req, opt) =
-                operands::operands(frame, op, &["x", "conv_state", "weight"], &["bias", "state_batch_indices"])?;
-            let rets = operands::results(frame, op, &["out", "conv_state"])?;
-            validate(&ConvArgs {
-                kind,
-                x: &req[0],
-                weight: &req[2],
-                bias: opt[0].as_ref(),
-                initial_states: None,
-                dout: None,
-                conv_state: Some((&req[1], &rets[1])),
-                state_batch_indices: opt[1].as_ref(),
-                out: &rets[0],
-                dweight: None,
-                dbias: None,
-                dinitial_states: None,
-                silu,
-                layout,
-            })?
-        }
+    let sig = match kind {
+        Kind::Fwd => &CAUSAL_CONV1D_FWD,
+        Kind::Bwd => &CAUSAL_CONV1D_BWD,
+        Kind::Update => &CAUSAL_CONV1D_UPDATE,
     };
+    let pre = prefixed(sig.op);
+    let call = Call::decode(frame, sig)?;
+    let conv_state = match (call.operand("conv_state"), call.result("conv_state")) {
+        (Some(input), Some(output)) => Some((input, output)),
+        _ => None,
+    };
+    let conv = validate(&ConvArgs {
+        kind,
+        x: call.input("x"),
+        weight: call.input("weight"),
+        bias: call.operand("bias"),
+        initial_states: call.operand("initial_states"),
+        dout: call.operand("dout"),
+        conv_state,
+        state_batch_indices: call.operand("state_batch_indices"),
+        out: call.result("out").or(call.result("dx")).expect("every conv1d target has `out` or `dx`"),
+        dweight: call.result("dweight"),
+        dbias: call.result("dbias"),
+        dinitial_states: call.result("dinitial_states"),
+        silu: frame.attr_bool("silu").map_err(&pre)?,
+        layout: parse_layout(sig.op, &frame.attr_str("layout").map_err(&pre)?)?,
+    })?;
     run(&conv, platform)
 }

@@ -163,23 +163,27 @@ impl<'a> Frame<'a> {
         })
     }
 
-    /// The attribute called `name`, or the names of those the call has.
-    fn lookup(&self, name: &str) -> std::result::Result<(XLA_FFI_AttrType, *mut c_void), Vec<String>> {
+    /// The call's attributes: (name, type, value).
+    fn attrs(&self) -> impl Iterator<Item = (&'a [u8], XLA_FFI_AttrType, *mut c_void)> + '_ {
         let attrs = &self.raw.attrs;
-        let mut names = Vec::new();
-        for i in 0..attrs.size.max(0) as usize {
+        (0..attrs.size.max(0) as usize).map(move |i| {
             // SAFETY: i < size; `decode` checked that the three arrays exist, and XLA sizes them
             // alike; names are byte spans.
-            let (ty, key, value) = unsafe {
-                let key = byte_span(*attrs.names.add(i)).unwrap_or_default();
-                (*attrs.types.add(i), key, *attrs.attrs.add(i))
-            };
-            if key == name.as_bytes() {
-                return Ok((ty, value));
-            }
-            names.push(String::from_utf8_lossy(key).into_owned());
+            unsafe { (byte_span(*attrs.names.add(i)).unwrap_or_default(), *attrs.types.add(i), *attrs.attrs.add(i)) }
+        })
+    }
+
+    /// The names of the call's attributes.
+    pub fn attr_names(&self) -> Vec<String> {
+        self.attrs().map(|(key, _, _)| String::from_utf8_lossy(key).into_owned()).collect()
+    }
+
+    /// The attribute called `name`, or the names of those the call has.
+    fn lookup(&self, name: &str) -> std::result::Result<(XLA_FFI_AttrType, *mut c_void), Vec<String>> {
+        match self.attrs().find(|(key, _, _)| *key == name.as_bytes()) {
+            Some((_, ty, value)) => Ok((ty, value)),
+            None => Err(self.attr_names()),
         }
-        Err(names)
     }
 
     /// An optional attribute: `read` (e.g. [`Frame::attr_i64`]) when the call has it, else `None`.

@@ -1,39 +1,33 @@
 //! Call frames of `xla_ssm_mamba_decode_step` (docs/decode.md).
 
 use super::frame::Frame;
-use super::operands;
+use super::operands::{prefixed, Call};
 use crate::error::Result;
-use crate::ops::mamba_decode::{run, validate, DecodeArgs, OP};
+use crate::ops::mamba_decode::{run, validate, DecodeArgs};
+use crate::ops::signature::MAMBA_DECODE_STEP;
 use crate::ops::Platform;
 
 /// The XLA handler's body.
 pub fn from_frame(frame: &Frame, platform: Platform) -> Result<()> {
-    let dt_softplus = frame.attr_bool("dt_softplus").map_err(operands::prefixed(OP))?;
-    let (req, opt) = operands::operands(
-        frame,
-        OP,
-        &["x", "conv_state", "conv_weight", "ssm_state", "dt", "A", "B", "C"],
-        &["conv_bias", "D", "z", "dt_bias", "state_batch_indices"],
-    )?;
-    let rets = operands::results(frame, OP, &["out", "conv_state", "ssm_state"])?;
+    let call = Call::decode(frame, &MAMBA_DECODE_STEP)?;
     let step = validate(&DecodeArgs {
-        x: &req[0],
-        conv_state: &req[1],
-        conv_weight: &req[2],
-        conv_bias: opt[0].as_ref(),
-        ssm_state: &req[3],
-        dt: &req[4],
-        a: &req[5],
-        b: &req[6],
-        c: &req[7],
-        d: opt[1].as_ref(),
-        z: opt[2].as_ref(),
-        dt_bias: opt[3].as_ref(),
-        state_batch_indices: opt[4].as_ref(),
-        out: &rets[0],
-        conv_state_out: &rets[1],
-        ssm_state_out: &rets[2],
-        dt_softplus,
+        x: call.input("x"),
+        conv_state: call.input("conv_state"),
+        conv_weight: call.input("conv_weight"),
+        conv_bias: call.operand("conv_bias"),
+        ssm_state: call.input("ssm_state"),
+        dt: call.input("dt"),
+        a: call.input("A"),
+        b: call.input("B"),
+        c: call.input("C"),
+        d: call.operand("D"),
+        z: call.operand("z"),
+        dt_bias: call.operand("dt_bias"),
+        state_batch_indices: call.operand("state_batch_indices"),
+        out: call.output("out"),
+        conv_state_out: call.output("conv_state"),
+        ssm_state_out: call.output("ssm_state"),
+        dt_softplus: frame.attr_bool("dt_softplus").map_err(prefixed(MAMBA_DECODE_STEP.op))?,
     })?;
     run(&step, platform)
 }

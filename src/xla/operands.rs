@@ -1,56 +1,110 @@
-//! Operands and results of call frames, shared by the targets: counted and named as the
-//! attributes say (required operands first, then the optional ones whose `has_<name>` attributes
-//! say they are present, in a fixed order), with errors prefixed by the operation.
+//! Operands and results of call frames, decoded by the target's [`Signature`]: the attributes say
+//! which optional ones are present, the frame must have exactly those (plus, where the target takes
+//! one, a trailing workspace result), and no attribute the target does not read.
 
 use super::frame::Frame;
 use crate::error::{Error, Result};
+use crate::ops::signature::{Arg, Signature, When};
 use crate::ops::Tensor;
 
-/// The operands of one call: `required` in order, then each of `optional` when `has_<lowercase name>`
-/// is true. Returns the required tensors and one `Option` per optional name.
-pub fn operands(
-    frame: &Frame,
-    op: &str,
-    required: &[&str],
-    optional: &[&str],
-) -> Result<(Vec<Tensor>, Vec<Option<Tensor>>)> {
-    let pre = prefixed(op);
-    let mut present = Vec::with_capacity(optional.len());
-    for name in optional {
-        present.push(frame.attr_bool(&format!("has_{}", name.to_lowercase())).map_err(&pre)?);
-    }
-    let mut names: Vec<&str> = required.to_vec();
-    names.extend(optional.iter().zip(&present).filter(|(_, p)| **p).map(|(n, _)| *n));
-    if frame.num_args() != names.len() {
-        return Err(Error::invalid(format!(
-            "{op}: expected {} operands ({}) as the has_* attributes say, got {}",
-            names.len(),
-            names.join(", "),
-            frame.num_args()
-        )));
-    }
-    let mut tensors =
-        names.iter().enumerate().map(|(i, n)| frame.arg(i, n)).collect::<Result<Vec<_>>>().map_err(&pre)?;
-    let mut opt: Vec<Option<Tensor>> = Vec::with_capacity(optional.len());
-    let tail = tensors.split_off(required.len());
-    let mut tail = tail.into_iter();
-    for p in present {
-        opt.push(if p { tail.next() } else { None });
-    }
-    Ok((tensors, opt))
+/// A call frame's buffers, by the names of its target's signature.
+pub struct Call {
+    operands: Vec<(&'static str, Tensor)>,
+    results: Vec<(&'static str, Tensor)>,
+    /// The scratch result, where the target takes one and the call passes it.
+    pub workspace: Option<Tensor>,
 }
 
-/// The results of one call, named; their count must be `names.len()`.
-pub fn results(frame: &Frame, op: &str, names: &[&str]) -> Result<Vec<Tensor>> {
-    if frame.num_rets() != names.len() {
-        return Err(Error::invalid(format!(
-            "{op}: expected {} results ({}), got {}",
-            names.len(),
-            names.join(", "),
-            frame.num_rets()
-        )));
+impl Call {
+    pub fn decode(frame: &Frame, sig: &Signature) -> Result<Call> {
+        let op = sig.op;
+        let pre = prefixed(op);
+        let names = frame.attr_names();
+        // A misspelt attribute is reported as the one the call lacks, where that is required.
+        if let Some(missing) = sig.attrs.iter().find(|a| !a.optional && !names.iter().any(|n| n == a.name)) {
+            return Err(Error::invalid(format!(
+                "{op}: attribute `{}` is missing (the call has: [{}])",
+                missing.name,
+                names.join(", ")
+            )));
+        }
+        for name in names {
+            if !sig.attrs.iter().any(|a| a.name == name) {
+                let known: Vec<&str> = sig.attrs.iter().map(|a| a.name).collect();
+                return Err(Error::invalid(format!(
+                    "{op}: unknown attribute `{name}` (the target reads: {})",
+                    known.join(", ")
+                )));
+            }
+        }
+        let operand_names = present(frame, sig.operands).map_err(&pre)?;
+        let result_names = present(frame, sig.results).map_err(&pre)?;
+        if frame.num_args() != operand_names.len() {
+            return Err(Error::invalid(format!(
+                "{op}: expected {} operands ({}) as the attributes say, got {}",
+                operand_names.len(),
+                operand_names.join(", "),
+                frame.num_args()
+            )));
+        }
+        let n = result_names.len();
+        let counts = frame.num_rets() == n || (sig.workspace && frame.num_rets() == n + 1);
+        if !counts {
+            let (expected, tail) =
+                if sig.workspace { (format!("{n} or {}", n + 1), "[, workspace]") } else { (n.to_string(), "") };
+            return Err(Error::invalid(format!(
+                "{op}: expected {expected} results ({}{tail}) as the attributes say, got {}",
+                result_names.join(", "),
+                frame.num_rets()
+            )));
+        }
+        let operands = (operand_names.iter().enumerate())
+            .map(|(i, &name)| Ok((name, frame.arg(i, name)?)))
+            .collect::<Result<_>>()
+            .map_err(&pre)?;
+        let results = (result_names.iter().enumerate())
+            .map(|(i, &name)| Ok((name, frame.ret(i, name)?)))
+            .collect::<Result<_>>()
+            .map_err(&pre)?;
+        let workspace = if frame.num_rets() == n + 1 { Some(frame.ret(n, "workspace").map_err(&pre)?) } else { None };
+        Ok(Call { operands, results, workspace })
     }
-    names.iter().enumerate().map(|(i, n)| frame.ret(i, n)).collect::<Result<Vec<_>>>().map_err(prefixed(op))
+
+    /// The operand `name`, if the call has it.
+    pub fn operand(&self, name: &str) -> Option<&Tensor> {
+        self.operands.iter().find(|(n, _)| *n == name).map(|(_, t)| t)
+    }
+
+    /// The result `name`, if the call has it.
+    pub fn result(&self, name: &str) -> Option<&Tensor> {
+        self.results.iter().find(|(n, _)| *n == name).map(|(_, t)| t)
+    }
+
+    /// An operand the signature always has.
+    pub fn input(&self, name: &str) -> &Tensor {
+        self.operand(name).unwrap_or_else(|| panic!("`{name}` is not an operand every call of this target has"))
+    }
+
+    /// A result the signature always has.
+    pub fn output(&self, name: &str) -> &Tensor {
+        self.result(name).unwrap_or_else(|| panic!("`{name}` is not a result every call of this target has"))
+    }
+}
+
+/// The names of `args` that this call has, as its attributes say.
+fn present(frame: &Frame, args: &[Arg]) -> Result<Vec<&'static str>> {
+    let mut names = Vec::with_capacity(args.len());
+    for a in args {
+        let here = match a.when {
+            When::Always => true,
+            When::Flag(flag) => frame.attr_bool(flag)?,
+            When::NonZero(attr) => frame.attr_opt(attr, Frame::attr_i64)?.unwrap_or(0) != 0,
+        };
+        if here {
+            names.push(a.name);
+        }
+    }
+    Ok(names)
 }
 
 /// Names errors from frame decoding with `op` (validation's own messages already do).
@@ -59,39 +113,4 @@ pub fn prefixed(op: &str) -> impl Fn(Error) -> Error + '_ {
         Error::InvalidArgument(m) if !m.starts_with(op) => Error::InvalidArgument(format!("{op}: {m}")),
         other => other,
     }
-}
-
-/// Decodes the operands of `names` (checking their count) and returns them with a lookup by name.
-pub fn frame_operands(frame: &Frame, op: &'static str, names: &[&'static str]) -> Result<Vec<Tensor>> {
-    if frame.num_args() != names.len() {
-        return Err(Error::invalid(format!(
-            "{op}: expected {} operands ({}) as the attributes say, got {}",
-            names.len(),
-            names.join(", "),
-            frame.num_args()
-        )));
-    }
-    names.iter().enumerate().map(|(i, n)| frame.arg(i, n)).collect::<Result<_>>().map_err(prefixed(op))
-}
-
-/// The results of `names` (optional ones absent), then an optional `workspace`.
-pub fn frame_results(frame: &Frame, op: &'static str, names: &[&'static str]) -> Result<(Vec<Tensor>, Option<Tensor>)> {
-    let n = names.len();
-    if frame.num_rets() != n && frame.num_rets() != n + 1 {
-        return Err(Error::invalid(format!(
-            "{op}: expected {n} or {} results ({}[, workspace]) as the attributes say, got {}",
-            n + 1,
-            names.join(", "),
-            frame.num_rets()
-        )));
-    }
-    let prefix = prefixed(op);
-    let rets: Vec<Tensor> =
-        names.iter().enumerate().map(|(i, r)| frame.ret(i, r)).collect::<Result<_>>().map_err(&prefix)?;
-    let workspace = if frame.num_rets() == n + 1 { Some(frame.ret(n, "workspace").map_err(&prefix)?) } else { None };
-    Ok((rets, workspace))
-}
-
-pub fn find<'t>(names: &[&str], tensors: &'t [Tensor], name: &str) -> Option<&'t Tensor> {
-    names.iter().position(|n| *n == name).map(|i| &tensors[i])
 }

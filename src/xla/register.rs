@@ -8,56 +8,86 @@ use super::frame::take_error_message;
 use super::handlers;
 use crate::capi::{call, XlaSsmStatus};
 use crate::error::{Error, Result};
+use crate::ops::signature::{self, Signature};
 use std::ffi::{c_char, CStr};
 use std::panic::catch_unwind;
 
-/// One XLA target: its name and its handler per platform.
+/// One XLA target: its name (`xla_ssm_` and its signature's op) and its handler per platform.
 pub struct Target {
     pub name: &'static str,
+    pub signature: &'static Signature,
     pub cpu: XLA_FFI_Handler,
     pub cuda: XLA_FFI_Handler,
 }
 
-/// Every target the library exports (the Python package checks its own list against this one).
+/// Every target the library exports (the Python package checks its own list against this one), in
+/// the order of [`signature::ALL`].
 pub const TARGETS: &[Target] = &[
     Target {
         name: "xla_ssm_selective_scan_fwd",
+        signature: &signature::SELECTIVE_SCAN_FWD,
         cpu: handlers::xla_ssm_selective_scan_fwd_cpu,
         cuda: handlers::xla_ssm_selective_scan_fwd_cuda,
     },
     Target {
         name: "xla_ssm_selective_scan_bwd",
+        signature: &signature::SELECTIVE_SCAN_BWD,
         cpu: handlers::xla_ssm_selective_scan_bwd_cpu,
         cuda: handlers::xla_ssm_selective_scan_bwd_cuda,
     },
     Target {
         name: "xla_ssm_selective_state_update",
+        signature: &signature::SELECTIVE_STATE_UPDATE,
         cpu: handlers::xla_ssm_selective_state_update_cpu,
         cuda: handlers::xla_ssm_selective_state_update_cuda,
     },
     Target {
         name: "xla_ssm_causal_conv1d_fwd",
+        signature: &signature::CAUSAL_CONV1D_FWD,
         cpu: handlers::xla_ssm_causal_conv1d_fwd_cpu,
         cuda: handlers::xla_ssm_causal_conv1d_fwd_cuda,
     },
     Target {
         name: "xla_ssm_causal_conv1d_bwd",
+        signature: &signature::CAUSAL_CONV1D_BWD,
         cpu: handlers::xla_ssm_causal_conv1d_bwd_cpu,
         cuda: handlers::xla_ssm_causal_conv1d_bwd_cuda,
     },
     Target {
         name: "xla_ssm_causal_conv1d_update",
+        signature: &signature::CAUSAL_CONV1D_UPDATE,
         cpu: handlers::xla_ssm_causal_conv1d_update_cpu,
         cuda: handlers::xla_ssm_causal_conv1d_update_cuda,
     },
     Target {
         name: "xla_ssm_mamba_decode_step",
+        signature: &signature::MAMBA_DECODE_STEP,
         cpu: handlers::xla_ssm_mamba_decode_step_cpu,
         cuda: handlers::xla_ssm_mamba_decode_step_cuda,
     },
-    Target { name: "xla_ssm_ssd_fwd", cpu: handlers::xla_ssm_ssd_fwd_cpu, cuda: handlers::xla_ssm_ssd_fwd_cuda },
-    Target { name: "xla_ssm_ssd_bwd", cpu: handlers::xla_ssm_ssd_bwd_cpu, cuda: handlers::xla_ssm_ssd_bwd_cuda },
+    Target {
+        name: "xla_ssm_ssd_fwd",
+        signature: &signature::SSD_FWD,
+        cpu: handlers::xla_ssm_ssd_fwd_cpu,
+        cuda: handlers::xla_ssm_ssd_fwd_cuda,
+    },
+    Target {
+        name: "xla_ssm_ssd_bwd",
+        signature: &signature::SSD_BWD,
+        cpu: handlers::xla_ssm_ssd_bwd_cpu,
+        cuda: handlers::xla_ssm_ssd_bwd_cuda,
+    },
 ];
+
+/// The signature of every target (`crate::ops::signature`) as JSON: what each takes and returns, by
+/// name, and its attributes. Hosts that build calls by hand and the Python package's tests read it.
+#[no_mangle]
+pub extern "C" fn xla_ssm_target_signatures() -> *const c_char {
+    static JSON: once_cell::sync::Lazy<std::ffi::CString> = once_cell::sync::Lazy::new(|| {
+        std::ffi::CString::new(signature::to_json()).expect("the table has no NUL bytes")
+    });
+    crate::capi::guard(c"".as_ptr(), || JSON.as_ptr())
+}
 
 /// Which handlers a platform name selects, as XLA canonicalises it ("cpu" is "Host"; case-blind).
 fn platform_is_cuda(platform: &str) -> Result<bool> {
@@ -212,3 +242,16 @@ extern "C" fn register_at_load_boundary() {
 #[used]
 #[link_section = ".init_array"]
 static REGISTER_AT_LOAD: extern "C" fn() = register_at_load_boundary;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_signature_is_a_target_in_order() {
+        let names: Vec<String> = signature::ALL.iter().map(|s| format!("xla_ssm_{}", s.op)).collect();
+        let targets: Vec<&str> = TARGETS.iter().map(|t| t.name).collect();
+        assert_eq!(names, targets);
+        assert!(TARGETS.iter().all(|t| t.name == format!("xla_ssm_{}", t.signature.op)));
+    }
+}

@@ -1,0 +1,362 @@
+//! What every XLA target takes and returns, by name: the one table the XLA adapter decodes call
+//! frames by (src/xla/operands.rs), the C API's argument structs are named after, and the Python
+//! package is checked against (`xla_ssm_target_signatures`, tests/python/test_signatures.py).
+
+/// When an operand or a result is part of a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum When {
+    Always,
+    /// When this bool attribute is true (`has_d`, `save_chunk_states`, ...).
+    Flag(&'static str),
+    /// When this integer attribute is nonzero (`checkpoint_len`).
+    NonZero(&'static str),
+}
+
+/// An operand or a result.
+#[derive(Debug, Clone, Copy)]
+pub struct Arg {
+    pub name: &'static str,
+    pub when: When,
+}
+
+/// The type of an attribute's value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttrType {
+    Bool,
+    I64,
+    F32,
+    Str,
+}
+
+impl AttrType {
+    pub fn name(self) -> &'static str {
+        match self {
+            AttrType::Bool => "bool",
+            AttrType::I64 => "i64",
+            AttrType::F32 => "f32",
+            AttrType::Str => "str",
+        }
+    }
+}
+
+/// An attribute; an optional one may be left out (it then means what the op's docs say).
+#[derive(Debug, Clone, Copy)]
+pub struct Attr {
+    pub name: &'static str,
+    pub ty: AttrType,
+    pub optional: bool,
+}
+
+/// One target: `xla_ssm_<op>`.
+#[derive(Debug)]
+pub struct Signature {
+    pub op: &'static str,
+    /// In call order: those whose [`When`] holds, in this order.
+    pub operands: &'static [Arg],
+    /// Likewise.
+    pub results: &'static [Arg],
+    /// Whether one more result may follow them: scratch for the CUDA kernels (`workspace`).
+    pub workspace: bool,
+    /// Every attribute the target reads, the flags of [`When`] included. A call may pass no other.
+    pub attrs: &'static [Attr],
+}
+
+const fn arg(name: &'static str) -> Arg {
+    Arg { name, when: When::Always }
+}
+const fn opt(name: &'static str, flag: &'static str) -> Arg {
+    Arg { name, when: When::Flag(flag) }
+}
+const fn attr(name: &'static str, ty: AttrType) -> Attr {
+    Attr { name, ty, optional: false }
+}
+const fn flag(name: &'static str) -> Attr {
+    attr(name, AttrType::Bool)
+}
+
+use AttrType::{Str, F32, I64};
+
+pub const SELECTIVE_SCAN_FWD: Signature = Signature {
+    op: "selective_scan_fwd",
+    operands: &[
+        arg("u"),
+        arg("delta"),
+        arg("A"),
+        arg("B"),
+        arg("C"),
+        opt("D", "has_d"),
+        opt("z", "has_z"),
+        opt("delta_bias", "has_delta_bias"),
+        opt("initial_state", "has_initial_state"),
+    ],
+    results: &[arg("out"), arg("final_state"), Arg { name: "checkpoints", when: When::NonZero("checkpoint_len") }],
+    workspace: true,
+    attrs: &[
+        attr("layout", Str),
+        flag("delta_softplus"),
+        flag("has_d"),
+        flag("has_z"),
+        flag("has_delta_bias"),
+        flag("has_initial_state"),
+        Attr { name: "checkpoint_len", ty: I64, optional: true },
+    ],
+};
+
+pub const SELECTIVE_SCAN_BWD: Signature = Signature {
+    op: "selective_scan_bwd",
+    operands: &[
+        arg("u"),
+        arg("delta"),
+        arg("A"),
+        arg("B"),
+        arg("C"),
+        opt("D", "has_d"),
+        opt("z", "has_z"),
+        opt("delta_bias", "has_delta_bias"),
+        opt("initial_state", "has_initial_state"),
+        arg("checkpoints"),
+        arg("dout"),
+        opt("dfinal_state", "has_dfinal_state"),
+    ],
+    results: &[
+        arg("du"),
+        arg("ddelta"),
+        arg("dA"),
+        arg("dB"),
+        arg("dC"),
+        opt("dD", "has_d"),
+        opt("dz", "has_z"),
+        opt("ddelta_bias", "has_delta_bias"),
+        opt("dinitial_state", "has_initial_state"),
+    ],
+    workspace: true,
+    attrs: &[
+        attr("layout", Str),
+        flag("delta_softplus"),
+        flag("has_d"),
+        flag("has_z"),
+        flag("has_delta_bias"),
+        flag("has_initial_state"),
+        flag("has_dfinal_state"),
+        attr("checkpoint_len", I64),
+    ],
+};
+
+/// The attributes both SSD calls read.
+const SSD_ATTRS: [Attr; 8] = [
+    attr("chunk_size", I64),
+    flag("dt_softplus"),
+    attr("dt_min", F32),
+    attr("dt_max", F32),
+    flag("has_d"),
+    flag("has_z"),
+    flag("has_dt_bias"),
+    flag("has_initial_states"),
+];
+
+pub const SSD_FWD: Signature = Signature {
+    op: "ssd_fwd",
+    operands: &[
+        arg("x"),
+        arg("dt"),
+        arg("A"),
+        arg("B"),
+        arg("C"),
+        opt("D", "has_d"),
+        opt("z", "has_z"),
+        opt("dt_bias", "has_dt_bias"),
+        opt("initial_states", "has_initial_states"),
+    ],
+    results: &[arg("y"), arg("final_states"), opt("chunk_states", "save_chunk_states")],
+    workspace: true,
+    attrs: &[
+        SSD_ATTRS[0],
+        SSD_ATTRS[1],
+        SSD_ATTRS[2],
+        SSD_ATTRS[3],
+        SSD_ATTRS[4],
+        SSD_ATTRS[5],
+        SSD_ATTRS[6],
+        SSD_ATTRS[7],
+        flag("save_chunk_states"),
+    ],
+};
+
+pub const SSD_BWD: Signature = Signature {
+    op: "ssd_bwd",
+    operands: &[
+        arg("x"),
+        arg("dt"),
+        arg("A"),
+        arg("B"),
+        arg("C"),
+        opt("D", "has_d"),
+        opt("z", "has_z"),
+        opt("dt_bias", "has_dt_bias"),
+        opt("initial_states", "has_initial_states"),
+        arg("chunk_states"),
+        arg("dy"),
+        opt("dfinal_states", "has_dfinal_states"),
+    ],
+    results: &[
+        arg("dx"),
+        arg("ddt"),
+        arg("dA"),
+        arg("dB"),
+        arg("dC"),
+        opt("dD", "has_d"),
+        opt("dz", "has_z"),
+        opt("ddt_bias", "has_dt_bias"),
+        opt("dinitial_states", "has_initial_states"),
+    ],
+    workspace: true,
+    attrs: &[
+        SSD_ATTRS[0],
+        SSD_ATTRS[1],
+        SSD_ATTRS[2],
+        SSD_ATTRS[3],
+        SSD_ATTRS[4],
+        SSD_ATTRS[5],
+        SSD_ATTRS[6],
+        SSD_ATTRS[7],
+        flag("has_dfinal_states"),
+    ],
+};
+
+pub const SELECTIVE_STATE_UPDATE: Signature = Signature {
+    op: "selective_state_update",
+    operands: &[
+        arg("state"),
+        arg("x"),
+        arg("dt"),
+        arg("A"),
+        arg("B"),
+        arg("C"),
+        opt("D", "has_d"),
+        opt("z", "has_z"),
+        opt("dt_bias", "has_dt_bias"),
+        opt("state_batch_indices", "has_state_batch_indices"),
+    ],
+    results: &[arg("out"), arg("state")],
+    workspace: false,
+    attrs: &[flag("dt_softplus"), flag("has_d"), flag("has_z"), flag("has_dt_bias"), flag("has_state_batch_indices")],
+};
+
+pub const CAUSAL_CONV1D_FWD: Signature = Signature {
+    op: "causal_conv1d_fwd",
+    operands: &[arg("x"), arg("weight"), opt("bias", "has_bias"), opt("initial_states", "has_initial_states")],
+    results: &[arg("out")],
+    workspace: false,
+    attrs: &[flag("silu"), attr("layout", Str), flag("has_bias"), flag("has_initial_states")],
+};
+
+pub const CAUSAL_CONV1D_BWD: Signature = Signature {
+    op: "causal_conv1d_bwd",
+    operands: &[
+        arg("x"),
+        arg("weight"),
+        arg("dout"),
+        opt("bias", "has_bias"),
+        opt("initial_states", "has_initial_states"),
+    ],
+    results: &[arg("dx"), arg("dweight"), opt("dbias", "has_bias"), opt("dinitial_states", "has_initial_states")],
+    workspace: false,
+    attrs: &[flag("silu"), attr("layout", Str), flag("has_bias"), flag("has_initial_states")],
+};
+
+pub const CAUSAL_CONV1D_UPDATE: Signature = Signature {
+    op: "causal_conv1d_update",
+    operands: &[
+        arg("x"),
+        arg("conv_state"),
+        arg("weight"),
+        opt("bias", "has_bias"),
+        opt("state_batch_indices", "has_state_batch_indices"),
+    ],
+    results: &[arg("out"), arg("conv_state")],
+    workspace: false,
+    attrs: &[flag("silu"), attr("layout", Str), flag("has_bias"), flag("has_state_batch_indices")],
+};
+
+pub const MAMBA_DECODE_STEP: Signature = Signature {
+    op: "mamba_decode_step",
+    operands: &[
+        arg("x"),
+        arg("conv_state"),
+        arg("conv_weight"),
+        arg("ssm_state"),
+        arg("dt"),
+        arg("A"),
+        arg("B"),
+        arg("C"),
+        opt("conv_bias", "has_conv_bias"),
+        opt("D", "has_d"),
+        opt("z", "has_z"),
+        opt("dt_bias", "has_dt_bias"),
+        opt("state_batch_indices", "has_state_batch_indices"),
+    ],
+    results: &[arg("out"), arg("conv_state"), arg("ssm_state")],
+    workspace: false,
+    attrs: &[
+        flag("dt_softplus"),
+        flag("has_conv_bias"),
+        flag("has_d"),
+        flag("has_z"),
+        flag("has_dt_bias"),
+        flag("has_state_batch_indices"),
+    ],
+};
+
+/// Every target, in the order `xla_ssm_target_signatures` lists them.
+pub const ALL: [&Signature; 9] = [
+    &SELECTIVE_SCAN_FWD,
+    &SELECTIVE_SCAN_BWD,
+    &SELECTIVE_STATE_UPDATE,
+    &CAUSAL_CONV1D_FWD,
+    &CAUSAL_CONV1D_BWD,
+    &CAUSAL_CONV1D_UPDATE,
+    &MAMBA_DECODE_STEP,
+    &SSD_FWD,
+    &SSD_BWD,
+];
+
+/// The table as JSON: `[{"op": ..., "operands": [{"name": ..., "when": ...}], "results": [...],
+/// "workspace": bool, "attrs": [{"name": ..., "type": ..., "optional": ...}]}]`, where `when` is "always", `"flag:<attr>"`
+/// or `"nonzero:<attr>"`.
+pub fn to_json() -> String {
+    let args = |list: &[Arg]| {
+        let items: Vec<String> = list
+            .iter()
+            .map(|a| {
+                let when = match a.when {
+                    When::Always => "always".to_string(),
+                    When::Flag(f) => format!("flag:{f}"),
+                    When::NonZero(f) => format!("nonzero:{f}"),
+                };
+                format!("{{\"name\": \"{}\", \"when\": \"{when}\"}}", a.name)
+            })
+            .collect();
+        format!("[{}]", items.join(", "))
+    };
+    let sigs: Vec<String> = ALL
+        .iter()
+        .map(|s| {
+            let attrs: Vec<String> = s
+                .attrs
+                .iter()
+                .map(|a| {
+                    format!("{{\"name\": \"{}\", \"type\": \"{}\", \"optional\": {}}}", a.name, a.ty.name(), a.optional)
+                })
+                .collect();
+            format!(
+                "{{\"op\": \"{}\", \"operands\": {}, \"results\": {}, \"workspace\": {}, \"attrs\": [{}]}}",
+                s.op,
+                args(s.operands),
+                args(s.results),
+                s.workspace,
+                attrs.join(", ")
+            )
+        })
+        .collect();
+    format!("[{}]", sigs.join(", "))
+}
