@@ -44,6 +44,11 @@ typedef struct SelectiveScanFwdParams {
   // multiple of [`CHECKPOINT_MULTIPLE`] (null and 0: none). Residuals for the backward pass.
   float *checkpoints;
   int64_t checkpoint_len;
+  // Packed sequences (docs/selective_scan_fwd.md, "Packed sequences"): int32 (num_seqs + 1)
+  // boundaries along seqlen of a batch-1 input, or null. With them initial_state and
+  // final_state are (num_seqs, dim, dstate), and the state resets at every boundary.
+  const int32_t *cu_seqlens;
+  int64_t num_seqs;
 } SelectiveScanFwdParams;
 
 // Kernel parameters of the backward, passed by value to the CUDA kernel; generated into

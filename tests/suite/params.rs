@@ -69,7 +69,7 @@ fn rust_layouts() -> Vec<Layout> {
             u, delta, a => "A", b => "B", c => "C", d => "D", z, delta_bias, initial_state, out, final_state,
             batch, dim, seqlen, dstate, dim_per_group, x_stride_batch, x_stride_dim, x_stride_seq,
             bc_stride_batch, bc_stride_group, bc_stride_state, bc_stride_seq, delta_softplus, _reserved,
-            workspace, chunk_len, n_chunks, checkpoints, checkpoint_len,
+            workspace, chunk_len, n_chunks, checkpoints, checkpoint_len, cu_seqlens, num_seqs,
         }
         BwdParams => "SelectiveScanBwdParams" {
             fwd, dout, dfinal_state, du, ddelta, da => "dA", db => "dB", dc => "dC", dd => "dD", dz,

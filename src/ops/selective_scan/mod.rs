@@ -85,7 +85,7 @@ pub struct FwdArgs<'a> {
 /// `SelectiveScanFwdParams`. Absent optional operands are null. Strides are in elements. Channel `d`
 /// reads B/C at
 /// `b * bc_stride_batch + (d / dim_per_group) * bc_stride_group + n * bc_stride_state + l * bc_stride_seq`.
-/// cbindgen:field-names=[u, delta, A, B, C, D, z, delta_bias, initial_state, out, final_state, batch, dim, seqlen, dstate, dim_per_group, x_stride_batch, x_stride_dim, x_stride_seq, bc_stride_batch, bc_stride_group, bc_stride_state, bc_stride_seq, delta_softplus, _reserved, workspace, chunk_len, n_chunks, checkpoints, checkpoint_len]
+/// cbindgen:field-names=[u, delta, A, B, C, D, z, delta_bias, initial_state, out, final_state, batch, dim, seqlen, dstate, dim_per_group, x_stride_batch, x_stride_dim, x_stride_seq, bc_stride_batch, bc_stride_group, bc_stride_state, bc_stride_seq, delta_softplus, _reserved, workspace, chunk_len, n_chunks, checkpoints, checkpoint_len, cu_seqlens, num_seqs]
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct FwdParams {
@@ -123,6 +123,11 @@ pub struct FwdParams {
     /// multiple of [`CHECKPOINT_MULTIPLE`] (null and 0: none). Residuals for the backward pass.
     pub checkpoints: *mut f32,
     pub checkpoint_len: i64,
+    /// Packed sequences (docs/selective_scan_fwd.md, "Packed sequences"): int32 (num_seqs + 1)
+    /// boundaries along seqlen of a batch-1 input, or null. With them initial_state and
+    /// final_state are (num_seqs, dim, dstate), and the state resets at every boundary.
+    pub cu_seqlens: *const i32,
+    pub num_seqs: i64,
 }
 
 validated! {
@@ -465,6 +470,8 @@ fn validate_inputs(op: &str, args: &Inputs) -> Result<Checked> {
         n_chunks: 1,
         checkpoints: std::ptr::null_mut(),
         checkpoint_len: 0,
+        cu_seqlens: std::ptr::null(),
+        num_seqs: 0,
     };
     Ok(Checked { params, dtype, bc_dtype: b.dtype, time_varying, groups, x_meaning, bc_dims, bc_meaning })
 }
