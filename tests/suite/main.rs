@@ -11,6 +11,7 @@ mod ssd_common;
 mod bad_inputs;
 mod c_api;
 mod cuda_big;
+mod determinism;
 mod exla_frames;
 mod ffi_cpu;
 mod ffi_cpu_bwd;
