@@ -125,6 +125,10 @@ typedef struct XlaSsmSelectiveScanFwdArgs {
   // (batch, dim, ceil(seqlen / checkpoint_len), dstate) f32, written when checkpoint_len > 0 (NULL
   // otherwise): checkpoint k is the state entering step k * checkpoint_len.
   float *checkpoints;
+  // Packed sequences (docs/selective_scan_fwd.md): NULL, or int32 (num_seqs + 1) boundaries along
+  // seqlen of a batch-1 input; the states are then (num_seqs, dim, dstate).
+  const int32_t *cu_seqlens;
+  int64_t num_seqs;
 } XlaSsmSelectiveScanFwdArgs;
 
 // Arguments of the backward selective scan (docs/selective_scan_bwd.md): the forward's inputs, its
@@ -170,6 +174,9 @@ typedef struct XlaSsmSelectiveScanBwdArgs {
   // the CUDA backward, unused on the host.
   void *workspace;
   int64_t workspace_bytes;
+  // As in [`XlaSsmSelectiveScanFwdArgs`].
+  const int32_t *cu_seqlens;
+  int64_t num_seqs;
 } XlaSsmSelectiveScanBwdArgs;
 
 // Arguments of the SSD forward (docs/ssd.md). Dense row-major arrays; optional pointers may be NULL.

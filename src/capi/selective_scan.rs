@@ -65,6 +65,10 @@ pub struct XlaSsmSelectiveScanFwdArgs {
     /// (batch, dim, ceil(seqlen / checkpoint_len), dstate) f32, written when checkpoint_len > 0 (NULL
     /// otherwise): checkpoint k is the state entering step k * checkpoint_len.
     pub checkpoints: *mut f32,
+    /// Packed sequences (docs/selective_scan_fwd.md): NULL, or int32 (num_seqs + 1) boundaries along
+    /// seqlen of a batch-1 input; the states are then (num_seqs, dim, dstate).
+    pub cu_seqlens: *const i32,
+    pub num_seqs: i64,
 }
 
 /// Arguments of the backward selective scan (docs/selective_scan_bwd.md): the forward's inputs, its
@@ -111,6 +115,9 @@ pub struct XlaSsmSelectiveScanBwdArgs {
     /// the CUDA backward, unused on the host.
     pub workspace: *mut c_void,
     pub workspace_bytes: i64,
+    /// As in [`XlaSsmSelectiveScanFwdArgs`].
+    pub cu_seqlens: *const i32,
+    pub num_seqs: i64,
 }
 
 /// Tensor descriptions of the fields both argument structs share (sizes, dtypes, layout, inputs),
@@ -133,6 +140,7 @@ struct Described {
     z: Tensor,
     delta_bias: Tensor,
     initial_state: Tensor,
+    cu_seqlens: Tensor,
 }
 
 /// A [`Described`] of `$args` (either argument struct: they share these field names).
@@ -152,6 +160,7 @@ macro_rules! describe {
                 ptr(a.delta_bias as *const c_void),
                 ptr(a.initial_state as *const c_void),
             ],
+            (a.cu_seqlens, a.num_seqs),
         )
     }};
 }
@@ -163,6 +172,7 @@ fn describe(
     delta_softplus: bool,
     [u, delta, a, b, c]: [*mut c_void; 5],
     [d, z, delta_bias, initial_state]: [*mut c_void; 4],
+    (cu_seqlens, num_seqs): (*const i32, i64),
 ) -> Result<Described> {
     check_scan_sizes(op, [batch, dim, seqlen, dstate, groups])?;
     let dtype = dtype_of(op, dtype, "dtype")?;
@@ -181,7 +191,11 @@ fn describe(
         (g, Layout::ChannelFirst) => vec![batch, g, dstate, seqlen],
         (g, Layout::ChannelLast) => vec![batch, seqlen, g, dstate],
     };
-    let (state_dims, per_channel) = (vec![batch, dim, dstate], vec![dim]);
+    if !cu_seqlens.is_null() {
+        crate::ops::check_sizes(op, &[("state", &[num_seqs, dim, dstate])])?;
+    }
+    let state_rows = if cu_seqlens.is_null() { batch } else { num_seqs };
+    let (state_dims, per_channel) = (vec![state_rows, dim, dstate], vec![dim]);
     let t = |dtype, dims: &Vec<i64>, data| Tensor { dtype, dims: dims.clone(), data };
     Ok(Described {
         u: t(dtype, &x_dims, u),
@@ -193,6 +207,7 @@ fn describe(
         z: t(dtype, &x_dims, z),
         delta_bias: t(DType::F32, &per_channel, delta_bias),
         initial_state: t(DType::F32, &state_dims, initial_state),
+        cu_seqlens: t(DType::S32, &vec![num_seqs.saturating_add(1)], cu_seqlens as *mut c_void),
         dtype,
         bc_dtype,
         layout,
@@ -216,6 +231,7 @@ impl Described {
             z: some(&self.z),
             delta_bias: some(&self.delta_bias),
             initial_state: some(&self.initial_state),
+            cu_seqlens: some(&self.cu_seqlens),
             delta_softplus: self.delta_softplus,
             layout: self.layout,
         }

@@ -136,6 +136,43 @@ struct Ctx<'a> {
     final_state: Out<f32>,
     /// (batch, dim, n_checkpoints, dstate), when the host asks for checkpoints.
     checkpoints: Option<Out<f32>>,
+    /// Packed sequences' boundaries (batch 1; h0 and final_state per sequence), when given.
+    cu: Option<Vec<usize>>,
+}
+
+impl Ctx<'_> {
+    /// Steps of the chunk at `l0`: [`Plan::chunk_steps`], and never across a sequence boundary.
+    fn chunk_steps(&self, plan: &Plan, l0: usize) -> usize {
+        let steps = plan.chunk_steps(l0);
+        match &self.cu {
+            Some(cu) => steps.min(cu[cu.partition_point(|&c| c <= l0).min(cu.len() - 1)].max(l0 + 1) - l0),
+            None => steps,
+        }
+    }
+
+    /// The boundary rule at step `l` of packed sequences (docs/selective_scan_fwd.md), for channels
+    /// first..first + width: each sequence ending here leaves `h` as its final state, and one
+    /// starting here replaces it with its initial state (or 0).
+    fn boundary<const W: usize>(&self, cu: &[usize], l: usize, first: usize, width: usize, h: &mut [[f32; W]]) {
+        let (n, dim) = (self.p.dstate, self.p.dim);
+        let mut s = cu.partition_point(|&c| c < l);
+        while s < cu.len() && cu[s] == l {
+            if s >= 1 {
+                for (st, hs) in h.iter().enumerate() {
+                    for (lane, &v) in hs[..width].iter().enumerate() {
+                        // SAFETY: this thread owns channels first..first + width (batch is 1).
+                        unsafe { self.final_state.rows(((s - 1) * dim + first + lane) * n + st, 1)[0] = v };
+                    }
+                }
+            }
+            if s + 1 < cu.len() {
+                for (st, hs) in h.iter_mut().enumerate() {
+                    *hs = build(|j| self.h0.map_or(0.0, |h0| h0[(s * dim + first + lane(j, width)) * n + st]));
+                }
+            }
+            s += 1;
+        }
+    }
 }
 
 // ------------------------------------------------------------------------------------ plan
@@ -277,8 +314,10 @@ pub(crate) fn fwd(fwd: &Fwd) {
     }
     let x_len = batch * dim * seqlen;
     let bc_len = if time_varying { batch * (dim / geom.dim_per_group) * dstate * seqlen } else { dim * dstate };
-    let state_len = batch * dim * dstate;
-    let checkpoints_len = state_len * n_checkpoints(p.seqlen, p.checkpoint_len) as usize;
+    let checkpoints_len = batch * dim * dstate * n_checkpoints(p.seqlen, p.checkpoint_len) as usize;
+    // SAFETY: validated; the CPU target's buffers are host memory.
+    let cu = unsafe { p.host_cu_seqlens() }.map(|cu| cu.iter().map(|&c| c as usize).collect::<Vec<_>>());
+    let state_len = cu.as_ref().map_or(batch, |cu| cu.len() - 1) * dim * dstate;
     let (dtype, bc_dtype) = (fwd.dtype(), fwd.bc_dtype());
     // SAFETY: `validate_fwd` checked every operand's shape, dtype and non-nullness against these
     // sizes; inputs are not written during the call (XLA does not alias them to the results, and the
@@ -298,6 +337,7 @@ pub(crate) fn fwd(fwd: &Fwd) {
             out: ElemsOut::new(dtype, p.out, x_len),
             final_state: Out { ptr: p.final_state, len: state_len },
             checkpoints: (!p.checkpoints.is_null()).then_some(Out { ptr: p.checkpoints, len: checkpoints_len }),
+            cu,
         }
     };
 
@@ -345,14 +385,16 @@ fn segments<const W: usize, const FMA: bool>(ctx: &Ctx, plan: &Plan, next: &Atom
 
         for (k, i) in (start..end).enumerate() {
             let (_, _, first, width) = plan.block(i);
+            // Packed: the state before the first sequence is 0 (the rule at step 0 sets it).
+            let h0 = if ctx.cu.is_some() { None } else { ctx.h0 };
             for (s, hs) in seg_states[k * n..(k + 1) * n].iter_mut().enumerate() {
-                *hs = build(|j| ctx.h0.map_or(0.0, |h0| h0[(b * p.dim + first + lane(j, width)) * n + s]));
+                *hs = build(|j| h0.map_or(0.0, |h0| h0[(b * p.dim + first + lane(j, width)) * n + s]));
             }
         }
 
         let mut l0 = 0;
         while l0 < plan.seqlen {
-            let steps = plan.chunk_steps(l0);
+            let steps = ctx.chunk_steps(plan, l0);
             if plan.shared {
                 stage_shared_bc::<W, FMA>(ctx.b, p, b, g, l0, steps, bs);
                 stage_shared_bc::<W, FMA>(ctx.c, p, b, g, l0, steps, cs);
@@ -364,7 +406,7 @@ fn segments<const W: usize, const FMA: bool>(ctx: &Ctx, plan: &Plan, next: &Atom
                 let (next, next_l0) = if i + 1 < end { (i + 1, l0) } else { (start, l0 + steps) };
                 if prefetching && next_l0 < plan.seqlen {
                     let (_, _, next_first, next_width) = plan.block(next);
-                    let next_steps = plan.chunk_steps(next_l0);
+                    let next_steps = ctx.chunk_steps(plan, next_l0);
                     for x in [Some(ctx.delta), Some(ctx.u), ctx.z].into_iter().flatten() {
                         prefetch_x(x, p, b, next_first, next_width, next_l0, next_steps);
                     }
@@ -374,6 +416,9 @@ fn segments<const W: usize, const FMA: bool>(ctx: &Ctx, plan: &Plan, next: &Atom
                     if l0 % plan.checkpoint_len == 0 {
                         write_checkpoint(checkpoints, p, plan, b, first, width, l0 / plan.checkpoint_len, h);
                     }
+                }
+                if let Some(cu) = &ctx.cu {
+                    ctx.boundary(cu, l0, first, width, h);
                 }
                 let (dt, dtu, y) = (&mut dt[..steps], &mut dtu[..steps], &mut y[..steps]);
                 for (s, av) in a.iter_mut().enumerate() {
@@ -400,6 +445,10 @@ fn segments<const W: usize, const FMA: bool>(ctx: &Ctx, plan: &Plan, next: &Atom
 
         for (k, i) in (start..end).enumerate() {
             let (_, _, first, width) = plan.block(i);
+            if let Some(cu) = &ctx.cu {
+                ctx.boundary(cu, plan.seqlen, first, width, &mut seg_states[k * n..(k + 1) * n]);
+                continue;
+            }
             for (s, hs) in seg_states[k * n..(k + 1) * n].iter().enumerate() {
                 for (lane, &v) in hs[..width].iter().enumerate() {
                     // SAFETY: this thread owns channels first..first + width of batch b.

@@ -75,6 +75,74 @@ struct Ctx<'a> {
     part_d: Option<Out<f32>>,
     part_bias: Option<Out<f32>>,
     state_parts: StateParts,
+    /// Packed sequences' boundaries (batch 1; the states and their gradients per sequence).
+    cu: Option<Vec<usize>>,
+    h0: Option<&'a [f32]>,
+}
+
+impl Ctx<'_> {
+    /// Pieces of `l0..l0 + steps`, cut at the sequence boundaries inside it.
+    fn sub_pieces(&self, l0: usize, steps: usize) -> Vec<(usize, usize)> {
+        let mut cuts = vec![l0];
+        if let Some(cu) = &self.cu {
+            cuts.extend(cu.iter().copied().filter(|&c| c > l0 && c < l0 + steps));
+            cuts.dedup();
+        }
+        cuts.push(l0 + steps);
+        cuts.windows(2).map(|w| (w[0], w[1] - w[0])).collect()
+    }
+
+    /// Packed: the first sequence starting at step `l` (it is a boundary), if one does.
+    fn starting(&self, l: usize) -> Option<usize> {
+        let cu = self.cu.as_ref()?;
+        let s = cu.partition_point(|&c| c < l);
+        (s + 1 < cu.len() && cu[s] == l).then(|| cu[..cu.len() - 1].partition_point(|&c| c <= l) - 1)
+    }
+
+    /// The forward's boundary rule for the recompute: at step `l` the state of channels first..
+    /// first + width becomes the initial state of the sequence starting there (the last of those
+    /// that start there: the others are empty), or 0.
+    fn reset_state<const W: usize>(&self, l: usize, first: usize, width: usize, h: &mut [[f32; W]]) {
+        if let Some(s) = self.starting(l) {
+            let (n, dim) = (self.p.dstate, self.p.dim);
+            for (st, hs) in h.iter_mut().enumerate() {
+                *hs = build(|j| self.h0.map_or(0.0, |h0| h0[(s * dim + first + lane(j, width)) * n + st]));
+            }
+        }
+    }
+
+    /// The backward's boundary rule at step `l` (docs/selective_scan_bwd.md): each sequence starting
+    /// here takes `g` as its initial state's gradient, and `g` becomes the final-state cotangent of
+    /// the sequence before it (or 0).
+    fn reset_grads<const W: usize>(&self, cu: &[usize], l: usize, first: usize, width: usize, g: &mut [[f32; W]]) {
+        let (n, dim) = (self.p.dstate, self.p.dim);
+        let mut s = cu.partition_point(|&c| c <= l);
+        while s > 0 && cu[s - 1] == l {
+            s -= 1;
+            if s + 1 < cu.len() {
+                if let Some(dinitial) = &self.dinitial {
+                    for lane in 0..width {
+                        // SAFETY: this unit owns channels first..first + width (batch is 1).
+                        let row = unsafe { dinitial.rows(((s * dim) + first + lane) * n, n) };
+                        for (o, gs) in row.iter_mut().zip(g.iter()) {
+                            *o = gs[lane];
+                        }
+                    }
+                }
+            }
+            if s >= 1 {
+                for (st, gs) in g.iter_mut().enumerate() {
+                    *gs = build(|j| {
+                        if j < width {
+                            self.dfinal.map_or(0.0, |f| f[((s - 1) * dim + first + j) * n + st])
+                        } else {
+                            0.0
+                        }
+                    });
+                }
+            }
+        }
+    }
 }
 
 /// The per-state partial sums, which the state loop adds to.
@@ -201,8 +269,10 @@ pub(crate) fn bwd(bwd: &Bwd) {
     let plan = (batch > 0 && dim > 0).then(|| Plan::new(&geom, time_varying, isa.lanes(), checkpoint_len));
     let x_len = batch * dim * seqlen;
     let bc_len = if time_varying { batch * groups * n * seqlen } else { dim * n };
-    let state_len = batch * dim * n;
-    let checkpoints_len = state_len * n_checkpoints(p.fwd.seqlen, p.fwd.checkpoint_len) as usize;
+    let checkpoints_len = batch * dim * n * n_checkpoints(p.fwd.seqlen, p.fwd.checkpoint_len) as usize;
+    // SAFETY: validated; the CPU target's buffers are host memory.
+    let cu = unsafe { p.fwd.host_cu_seqlens() }.map(|cu| cu.iter().map(|&c| c as usize).collect::<Vec<_>>());
+    let state_len = cu.as_ref().map_or(batch, |cu| cu.len() - 1) * dim * n;
     let lanes = plan.map_or(0, |plan| batch * plan.spans * plan.blocks_per_span * plan.w);
     let part_bc_len = match plan {
         Some(plan) if time_varying => plan.units * n * seqlen,
@@ -240,6 +310,8 @@ pub(crate) fn bwd(bwd: &Bwd) {
             part_d: some_out(&mut part_d, !p.fwd.d.is_null()),
             part_bias: some_out(&mut part_bias, !p.fwd.delta_bias.is_null()),
             state_parts: StateParts { a: out(&mut part_a), b: out(&mut part_b), c: out(&mut part_c) },
+            cu,
+            h0: optional(p.fwd.initial_state as *const c_void, state_len),
         }
     };
 
@@ -392,12 +464,17 @@ fn unit<const W: usize, const FMA: bool>(ctx: &Ctx, plan: &Plan, i: usize, mut s
     let bs = take(buf, plan.shared_bc());
     let cs = take(buf, plan.shared_bc());
 
-    // The state gradient g (times the next step's decay) starts as dfinal_state.
+    // The state gradient g (times the next step's decay) starts as dfinal_state (packed: as the
+    // backward's boundary rule at seqlen leaves it).
     for (k, j) in blocks.clone().enumerate() {
         let (first, width) = plan.block(g, j);
-        for (s, gs) in grads[k * n..(k + 1) * n].iter_mut().enumerate() {
-            *gs =
-                build(|l| if l < width { ctx.dfinal.map_or(0.0, |f| f[(b * p.dim + first + l) * n + s]) } else { 0.0 });
+        let grads = &mut grads[k * n..(k + 1) * n];
+        let dfinal = if ctx.cu.is_some() { None } else { ctx.dfinal };
+        for (s, gs) in grads.iter_mut().enumerate() {
+            *gs = build(|l| if l < width { dfinal.map_or(0.0, |f| f[(b * p.dim + first + l) * n + s]) } else { 0.0 });
+        }
+        if let Some(cu) = &ctx.cu {
+            ctx.reset_grads(cu, plan.seqlen, first, width, grads);
         }
     }
 
@@ -405,95 +482,107 @@ fn unit<const W: usize, const FMA: bool>(ctx: &Ctx, plan: &Plan, i: usize, mut s
     for k in (0..plan.seqlen.div_ceil(len)).rev() {
         let (c0, c1) = (k * len, ((k + 1) * len).min(plan.seqlen));
         let pieces = (c1 - c0).div_ceil(plan.piece);
-        // Sub-checkpoints: the states entering pieces 1.. of this checkpoint's span.
+        // Sub-checkpoints: the states entering pieces 1.. of this checkpoint's span (before the
+        // boundary rule at their first step).
         for j in 0..pieces - 1 {
-            let l0 = c0 + j * plan.piece;
-            let steps = plan.piece;
-            if tv {
-                stage_shared_bc::<W, FMA>(ctx.b, p, b, g, l0, steps, bs);
-            }
             for (kb, blk) in blocks.clone().enumerate() {
                 let (first, width) = plan.block(g, blk);
-                stage_a(ctx, first, width, a2, av);
-                stage_dt::<W, FMA>(ctx, b, first, width, l0, steps, &mut x);
                 let own = &mut subs[kb * plan.subs * n..(kb + 1) * plan.subs * n];
                 let (before, h) = own.split_at_mut(j * n);
-                let h = &mut h[..n];
                 if j == 0 {
-                    load_checkpoint(ctx, plan, b, first, width, k, h);
+                    load_checkpoint(ctx, plan, b, first, width, k, &mut h[..n]);
                 } else {
-                    h.copy_from_slice(&before[(j - 1) * n..]);
+                    h[..n].copy_from_slice(&before[(j - 1) * n..]);
                 }
-                // Only the states matter here: C is a stand-in and y is discarded.
-                let bc = if tv {
-                    Bc::Shared { b: &bs[..steps * n], c: &bs[..steps * n] }
-                } else {
-                    stage_lane_bc::<W, FMA>(ctx.b, p, b, first, width, l0, bv.as_flattened_mut());
-                    Bc::Lanes { b: bv.as_flattened(), c: bv.as_flattened(), row: 0 }
-                };
-                let (dt, dtu) = (x.dt[..steps].as_flattened(), x.dtu[..steps].as_flattened());
-                let (h, a2, y) = (h.as_flattened_mut(), a2.as_flattened(), x.y[..steps].as_flattened_mut());
-                scan_states::<W, FMA>(h, a2, dt, dtu, y, bc);
+            }
+            for (l0, steps) in ctx.sub_pieces(c0 + j * plan.piece, plan.piece) {
+                if tv {
+                    stage_shared_bc::<W, FMA>(ctx.b, p, b, g, l0, steps, bs);
+                }
+                for (kb, blk) in blocks.clone().enumerate() {
+                    let (first, width) = plan.block(g, blk);
+                    stage_a(ctx, first, width, a2, av);
+                    stage_dt::<W, FMA>(ctx, b, first, width, l0, steps, &mut x);
+                    let h = &mut subs[(kb * plan.subs + j) * n..][..n];
+                    ctx.reset_state(l0, first, width, h);
+                    // Only the states matter here: C is a stand-in and y is discarded.
+                    let bc = if tv {
+                        Bc::Shared { b: &bs[..steps * n], c: &bs[..steps * n] }
+                    } else {
+                        stage_lane_bc::<W, FMA>(ctx.b, p, b, first, width, l0, bv.as_flattened_mut());
+                        Bc::Lanes { b: bv.as_flattened(), c: bv.as_flattened(), row: 0 }
+                    };
+                    let (dt, dtu) = (x.dt[..steps].as_flattened(), x.dtu[..steps].as_flattened());
+                    let (h, a2, y) = (h.as_flattened_mut(), a2.as_flattened(), x.y[..steps].as_flattened_mut());
+                    scan_states::<W, FMA>(h, a2, dt, dtu, y, bc);
+                }
             }
         }
         for j in (0..pieces).rev() {
-            let l0 = c0 + j * plan.piece;
-            let steps = plan.piece.min(c1 - l0);
-            if tv {
-                stage_shared_bc::<W, FMA>(ctx.b, p, b, g, l0, steps, bs);
-                stage_shared_bc::<W, FMA>(ctx.c, p, b, g, l0, steps, cs);
-                db_acc[..steps * n].fill([0.0; W]);
-                dc_acc[..steps * n].fill([0.0; W]);
-            }
-            for (kb, blk) in blocks.clone().enumerate() {
-                let (first, width) = plan.block(g, blk);
-                stage_a(ctx, first, width, a2, av);
-                stage_dt::<W, FMA>(ctx, b, first, width, l0, steps, &mut x);
-                stage_dout::<W, FMA>(ctx, b, first, width, l0, steps, &mut x);
-                if j == 0 {
-                    load_checkpoint(ctx, plan, b, first, width, k, start);
-                } else {
-                    start.copy_from_slice(&subs[(kb * plan.subs + j - 1) * n..][..n]);
-                }
-                let ch = Channels { b, first, width, block: plan.block_row(b, g, blk) };
-                let mut piece = Piece {
-                    ch,
-                    steps,
-                    start: start.as_flattened(),
-                    grads: grads[kb * n..(kb + 1) * n].as_flattened_mut(),
-                    a2: a2.as_flattened(),
-                    av: av.as_flattened(),
-                    dt: x.dt.as_flattened(),
-                    dtu: x.dtu.as_flattened(),
-                    dy: x.dy.as_flattened(),
-                    y: x.y.as_flattened_mut(),
-                    gb: x.gb.as_flattened_mut(),
-                    gah: x.gah.as_flattened_mut(),
-                    acc: tv.then(|| BcGrads {
-                        db: db_acc[..steps * n].as_flattened_mut(),
-                        dc: dc_acc[..steps * n].as_flattened_mut(),
-                    }),
-                    hist: hist.as_flattened_mut(),
-                    dec: dec.as_flattened_mut(),
-                };
+            let grid_l0 = c0 + j * plan.piece;
+            for (l0, steps) in ctx.sub_pieces(grid_l0, plan.piece.min(c1 - grid_l0)).into_iter().rev() {
                 if tv {
-                    states_shared::<W, FMA>(&ctx.state_parts, &mut piece, &bs[..steps * n], &cs[..steps * n]);
-                } else {
-                    stage_lane_bc::<W, FMA>(ctx.b, p, b, first, width, l0, bv.as_flattened_mut());
-                    stage_lane_bc::<W, FMA>(ctx.c, p, b, first, width, l0, cv.as_flattened_mut());
-                    states_lanes::<W, FMA>(&ctx.state_parts, &mut piece, bv.as_flattened(), cv.as_flattened());
+                    stage_shared_bc::<W, FMA>(ctx.b, p, b, g, l0, steps, bs);
+                    stage_shared_bc::<W, FMA>(ctx.c, p, b, g, l0, steps, cs);
+                    db_acc[..steps * n].fill([0.0; W]);
+                    dc_acc[..steps * n].fill([0.0; W]);
                 }
-                finish::<W, FMA>(ctx, ch, l0, steps, &mut x);
-            }
-            if tv {
-                // dB and dC of this piece: the lanes (channels) summed in order.
-                let unit_rows = i * n * plan.seqlen;
-                for (acc, part) in [(&*db_acc, &ctx.state_parts.b), (&*dc_acc, &ctx.state_parts.c)] {
-                    for s in 0..n {
-                        // SAFETY: this unit owns its rows of the partial.
-                        let row = unsafe { part.rows(unit_rows + s * plan.seqlen + l0, steps) };
-                        for (l, o) in row.iter_mut().enumerate() {
-                            *o = lane_sum(acc[l * n + s]);
+                for (kb, blk) in blocks.clone().enumerate() {
+                    let (first, width) = plan.block(g, blk);
+                    stage_a(ctx, first, width, a2, av);
+                    stage_dt::<W, FMA>(ctx, b, first, width, l0, steps, &mut x);
+                    stage_dout::<W, FMA>(ctx, b, first, width, l0, steps, &mut x);
+                    // A piece after the first of its grid piece starts at a boundary, where the
+                    // rule sets the state whatever it was.
+                    if j == 0 {
+                        load_checkpoint(ctx, plan, b, first, width, k, start);
+                    } else {
+                        start.copy_from_slice(&subs[(kb * plan.subs + j - 1) * n..][..n]);
+                    }
+                    ctx.reset_state(l0, first, width, start);
+                    let ch = Channels { b, first, width, block: plan.block_row(b, g, blk) };
+                    let mut piece = Piece {
+                        ch,
+                        steps,
+                        start: start.as_flattened(),
+                        grads: grads[kb * n..(kb + 1) * n].as_flattened_mut(),
+                        a2: a2.as_flattened(),
+                        av: av.as_flattened(),
+                        dt: x.dt.as_flattened(),
+                        dtu: x.dtu.as_flattened(),
+                        dy: x.dy.as_flattened(),
+                        y: x.y.as_flattened_mut(),
+                        gb: x.gb.as_flattened_mut(),
+                        gah: x.gah.as_flattened_mut(),
+                        acc: tv.then(|| BcGrads {
+                            db: db_acc[..steps * n].as_flattened_mut(),
+                            dc: dc_acc[..steps * n].as_flattened_mut(),
+                        }),
+                        hist: hist.as_flattened_mut(),
+                        dec: dec.as_flattened_mut(),
+                    };
+                    if tv {
+                        states_shared::<W, FMA>(&ctx.state_parts, &mut piece, &bs[..steps * n], &cs[..steps * n]);
+                    } else {
+                        stage_lane_bc::<W, FMA>(ctx.b, p, b, first, width, l0, bv.as_flattened_mut());
+                        stage_lane_bc::<W, FMA>(ctx.c, p, b, first, width, l0, cv.as_flattened_mut());
+                        states_lanes::<W, FMA>(&ctx.state_parts, &mut piece, bv.as_flattened(), cv.as_flattened());
+                    }
+                    finish::<W, FMA>(ctx, ch, l0, steps, &mut x);
+                    if let Some(cu) = &ctx.cu {
+                        ctx.reset_grads(cu, l0, first, width, &mut grads[kb * n..(kb + 1) * n]);
+                    }
+                }
+                if tv {
+                    // dB and dC of this piece: the lanes (channels) summed in order.
+                    let unit_rows = i * n * plan.seqlen;
+                    for (acc, part) in [(&*db_acc, &ctx.state_parts.b), (&*dc_acc, &ctx.state_parts.c)] {
+                        for s in 0..n {
+                            // SAFETY: this unit owns its rows of the partial.
+                            let row = unsafe { part.rows(unit_rows + s * plan.seqlen + l0, steps) };
+                            for (l, o) in row.iter_mut().enumerate() {
+                                *o = lane_sum(acc[l * n + s]);
+                            }
                         }
                     }
                 }
@@ -501,7 +590,7 @@ fn unit<const W: usize, const FMA: bool>(ctx: &Ctx, plan: &Plan, i: usize, mut s
         }
     }
 
-    if let Some(dinitial) = &ctx.dinitial {
+    if let (Some(dinitial), None) = (&ctx.dinitial, &ctx.cu) {
         for (k, j) in blocks.enumerate() {
             let (first, width) = plan.block(g, j);
             for l in 0..width {

@@ -6,7 +6,8 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum When {
     Always,
-    /// When this bool attribute is true (`has_d`, `save_chunk_states`, ...).
+    /// When this bool attribute is true (`has_d`, `save_chunk_states`, ...); an optional one that
+    /// the call leaves out is false.
     Flag(&'static str),
     /// When this integer attribute is nonzero (`checkpoint_len`).
     NonZero(&'static str),
@@ -74,7 +75,7 @@ const fn flag(name: &'static str) -> Attr {
     attr(name, AttrType::Bool)
 }
 
-use AttrType::{Str, F32, I64};
+use AttrType::{Bool, Str, F32, I64};
 
 pub const SELECTIVE_SCAN_FWD: Signature = Signature {
     op: "selective_scan_fwd",
@@ -88,6 +89,7 @@ pub const SELECTIVE_SCAN_FWD: Signature = Signature {
         opt("z", "has_z"),
         opt("delta_bias", "has_delta_bias"),
         opt("initial_state", "has_initial_state"),
+        opt("cu_seqlens", "has_cu_seqlens"),
     ],
     results: &[arg("out"), arg("final_state"), Arg { name: "checkpoints", when: When::NonZero("checkpoint_len") }],
     workspace: true,
@@ -98,6 +100,7 @@ pub const SELECTIVE_SCAN_FWD: Signature = Signature {
         flag("has_z"),
         flag("has_delta_bias"),
         flag("has_initial_state"),
+        Attr { name: "has_cu_seqlens", ty: Bool, optional: true },
         Attr { name: "checkpoint_len", ty: I64, optional: true },
     ],
 };
@@ -114,6 +117,7 @@ pub const SELECTIVE_SCAN_BWD: Signature = Signature {
         opt("z", "has_z"),
         opt("delta_bias", "has_delta_bias"),
         opt("initial_state", "has_initial_state"),
+        opt("cu_seqlens", "has_cu_seqlens"),
         arg("checkpoints"),
         arg("dout"),
         opt("dfinal_state", "has_dfinal_state"),
@@ -138,6 +142,7 @@ pub const SELECTIVE_SCAN_BWD: Signature = Signature {
         flag("has_delta_bias"),
         flag("has_initial_state"),
         flag("has_dfinal_state"),
+        Attr { name: "has_cu_seqlens", ty: Bool, optional: true },
         attr("checkpoint_len", I64),
     ],
 };

@@ -37,8 +37,8 @@ impl Call {
                 )));
             }
         }
-        let operand_names = present(frame, sig.operands).map_err(&pre)?;
-        let result_names = present(frame, sig.results).map_err(&pre)?;
+        let operand_names = present(frame, sig, sig.operands).map_err(&pre)?;
+        let result_names = present(frame, sig, sig.results).map_err(&pre)?;
         if frame.num_args() != operand_names.len() {
             return Err(Error::invalid(format!(
                 "{op}: expected {} operands ({}) as the attributes say, got {}",
@@ -92,11 +92,14 @@ impl Call {
 }
 
 /// The names of `args` that this call has, as its attributes say.
-fn present(frame: &Frame, args: &[Arg]) -> Result<Vec<&'static str>> {
+fn present(frame: &Frame, sig: &Signature, args: &[Arg]) -> Result<Vec<&'static str>> {
     let mut names = Vec::with_capacity(args.len());
     for a in args {
         let here = match a.when {
             When::Always => true,
+            When::Flag(flag) if sig.attrs.iter().any(|a| a.name == flag && a.optional) => {
+                frame.attr_opt(flag, Frame::attr_bool)?.unwrap_or(false)
+            }
             When::Flag(flag) => frame.attr_bool(flag)?,
             When::NonZero(attr) => frame.attr_opt(attr, Frame::attr_i64)?.unwrap_or(0) != 0,
         };

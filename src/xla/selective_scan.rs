@@ -22,6 +22,7 @@ fn inputs<'t>(frame: &Frame, op: &str, call: &'t Call) -> Result<Inputs<'t>> {
         z: call.operand("z"),
         delta_bias: call.operand("delta_bias"),
         initial_state: call.operand("initial_state"),
+        cu_seqlens: call.operand("cu_seqlens"),
         delta_softplus: frame.attr_bool("delta_softplus").map_err(&pre)?,
         layout: Layout::parse(&frame.attr_str("layout").map_err(&pre)?).map_err(&pre)?,
     })

@@ -83,7 +83,7 @@ fn c_program_against_the_header_and_the_cdylib() {
     assert!(stdout.contains(&format!("xla_ssm {}", env!("CARGO_PKG_VERSION"))), "{stdout}");
 }
 
-fn last_error() -> String {
+pub fn last_error() -> String {
     // SAFETY: a NUL-terminated string owned by the library, valid until the next call.
     unsafe { std::ffi::CStr::from_ptr(xla_ssm_last_error()) }.to_string_lossy().into_owned()
 }
@@ -137,6 +137,8 @@ fn cuda_launch_without_cuda() {
     let p = Problem::random(&case);
     let mut call = HostCall::new(&p);
     let mut args = XlaSsmSelectiveScanFwdArgs {
+        cu_seqlens: std::ptr::null(),
+        num_seqs: 0,
         batch: 1,
         dim: 2,
         seqlen: 3,
@@ -230,6 +232,8 @@ fn host_backward_round_trip() {
             })
             .collect();
         let args = XlaSsmSelectiveScanBwdArgs {
+            cu_seqlens: std::ptr::null(),
+            num_seqs: 0,
             batch: fwd.batch,
             dim: fwd.dim,
             seqlen: fwd.seqlen,

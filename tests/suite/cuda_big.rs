@@ -118,6 +118,8 @@ fn scan_whole_vs_pieces(dtype: Dt, dim: usize, seqlen: usize, pieces: usize) {
     let states: Vec<Dev> = (0..=pieces).map(|_| Dev::alloc(state_bytes)).collect();
 
     let args = |l0: usize, len: usize, out: &Dev, h0: Option<&Dev>, h1: &Dev| XlaSsmSelectiveScanFwdArgs {
+        cu_seqlens: std::ptr::null(),
+        num_seqs: 0,
         batch: 1,
         dim: dim as i64,
         seqlen: len as i64,

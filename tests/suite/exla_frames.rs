@@ -606,6 +606,8 @@ fn selective_scan_forward_frames_match_the_c_api() {
             None => std::ptr::null_mut(),
         };
         let args = XlaSsmSelectiveScanFwdArgs {
+            cu_seqlens: std::ptr::null(),
+            num_seqs: 0,
             batch,
             dim,
             seqlen,

@@ -405,6 +405,8 @@ fn c_api_cuda_launch() {
         let grad =
             |name: &str| call.rets.iter().find(|(o, _)| o.name == name).map_or(std::ptr::null_mut(), |(_, d)| d.data());
         let args = XlaSsmSelectiveScanBwdArgs {
+            cu_seqlens: std::ptr::null(),
+            num_seqs: 0,
             batch: case.batch as i64,
             dim: case.dim as i64,
             seqlen: case.seqlen as i64,

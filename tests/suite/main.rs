@@ -22,6 +22,7 @@ mod ffi_cuda_bwd;
 mod ffi_cuda_decode;
 mod ffi_cuda_ssd;
 mod headers;
+mod packed;
 mod params;
 mod reference;
 mod ssd_reference;

@@ -46,6 +46,8 @@ pub struct Inputs<'a> {
     pub z: Option<&'a Tensor>,
     pub delta_bias: Option<&'a Tensor>,
     pub initial_state: Option<&'a Tensor>,
+    /// Packed sequences: int32 (num_seqs + 1) boundaries along seqlen of a batch-1 input.
+    pub cu_seqlens: Option<&'a Tensor>,
     pub delta_softplus: bool,
     pub layout: Layout,
 }
@@ -63,6 +65,7 @@ impl<'a> Inputs<'a> {
             ("z", self.z),
             ("delta_bias", self.delta_bias),
             ("initial_state", self.initial_state),
+            ("cu_seqlens", self.cu_seqlens),
         ]
     }
 }
@@ -128,6 +131,18 @@ pub struct FwdParams {
     /// final_state are (num_seqs, dim, dstate), and the state resets at every boundary.
     pub cu_seqlens: *const i32,
     pub num_seqs: i64,
+}
+
+impl FwdParams {
+    /// The packed sequences' boundaries (num_seqs + 1), when there are some.
+    ///
+    /// # Safety
+    /// The parameters are validated and `cu_seqlens` is host memory (the CPU platform).
+    pub unsafe fn host_cu_seqlens(&self) -> Option<&[i32]> {
+        // SAFETY: per the contract, num_seqs + 1 readable i32s.
+        (!self.cu_seqlens.is_null())
+            .then(|| unsafe { std::slice::from_raw_parts(self.cu_seqlens, self.num_seqs as usize + 1) })
+    }
 }
 
 validated! {
@@ -220,6 +235,49 @@ pub fn workspace_bytes(batch: i64, dim: i64, seqlen: i64, dstate: i64) -> i64 {
 const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
 const STATE_MEANING: &str = "[batch, dim, dstate]";
+const PACKED_STATE_MEANING: &str = "[num_seqs, dim, dstate] (packed sequences)";
+
+/// `cu_seqlens` of a packed call: int32 (num_seqs + 1,) with u's batch 1. Returns num_seqs. (Its
+/// values are checked where the host can read them: [`check_cu_seqlens_values`].)
+fn check_cu_seqlens(op: &str, cu: &Tensor, batch: i64) -> Result<i64> {
+    let what = format!("{op}: operand `cu_seqlens`");
+    check_elements(&what, &cu.dims)?;
+    expect_dtype(cu, &what, &[DType::S32])?;
+    if cu.dims.len() != 1 || cu.dims[0] < 1 {
+        return Err(Error::invalid(format!(
+            "{what}: expected shape (num_seqs + 1,) [boundaries], got {}",
+            super::fmt_dims(&cu.dims)
+        )));
+    }
+    if batch != 1 {
+        return Err(Error::invalid(format!(
+            "{what}: packed sequences lie along seqlen of one batch row: u's batch must be 1, got {batch}"
+        )));
+    }
+    Ok(cu.dims[0] - 1)
+}
+
+/// The boundaries themselves: 0 first, non-decreasing, `seqlen` last. For host memory (the CPU
+/// target); a CUDA kernel given other values stays inside its buffers, with undefined results.
+pub fn check_cu_seqlens_values(op: &str, cu: &[i32], seqlen: i64) -> Result<()> {
+    let what = format!("{op}: operand `cu_seqlens`");
+    if cu.first() != Some(&0) {
+        return Err(Error::invalid(format!("{what}: the first boundary must be 0, got {:?}", cu.first())));
+    }
+    if let Some(i) = cu.windows(2).position(|w| w[1] < w[0]) {
+        return Err(Error::invalid(format!(
+            "{what}: boundaries must not decrease, got {} then {} at index {}",
+            cu[i],
+            cu[i + 1],
+            i + 1
+        )));
+    }
+    let last = *cu.last().expect("one entry at least");
+    if i64::from(last) != seqlen {
+        return Err(Error::invalid(format!("{what}: the last boundary must be seqlen (= {seqlen}), got {last}")));
+    }
+    Ok(())
+}
 const CHECKPOINTS_MEANING: &str = "[batch, dim, n_checkpoints, dstate]";
 
 /// `checkpoint_len` is a multiple of this (a whole number of the CUDA kernels' tiles).
@@ -318,11 +376,14 @@ struct Checked {
     x_meaning: &'static str,
     bc_dims: Vec<i64>,
     bc_meaning: &'static str,
+    /// Rows of the states: batch, or num_seqs with packed sequences.
+    state_rows: i64,
+    state_meaning: &'static str,
 }
 
 impl Checked {
     fn state_dims(&self) -> [i64; 3] {
-        [self.params.batch, self.params.dim, self.params.dstate]
+        [self.state_rows, self.params.dim, self.params.dstate]
     }
 
     fn checkpoint_dims(&self, checkpoint_len: i64) -> [i64; 4] {
@@ -407,8 +468,16 @@ fn validate_inputs(op: &str, args: &Inputs) -> Result<Checked> {
     if let Some(bias) = args.delta_bias {
         expect(bias, &format!("{op}: operand `delta_bias`"), &per_channel, "[dim]", &[DType::F32])?;
     }
+    let (state_rows, state_meaning, num_seqs) = match args.cu_seqlens {
+        None => (batch, STATE_MEANING, 0),
+        Some(cu) => {
+            let num_seqs = check_cu_seqlens(op, cu, batch)?;
+            (num_seqs, PACKED_STATE_MEANING, num_seqs)
+        }
+    };
     if let Some(h0) = args.initial_state {
-        expect(h0, &format!("{op}: operand `initial_state`"), &[batch, dim, dstate], STATE_MEANING, &[DType::F32])?;
+        let what = format!("{op}: operand `initial_state`");
+        expect(h0, &what, &[state_rows, dim, dstate], state_meaning, &[DType::F32])?;
     }
     let named: [(Option<&Tensor>, &str); 9] = [
         (Some(u), "u"),
@@ -421,6 +490,9 @@ fn validate_inputs(op: &str, args: &Inputs) -> Result<Checked> {
         (args.delta_bias, "delta_bias"),
         (args.initial_state, "initial_state"),
     ];
+    if let Some(cu) = args.cu_seqlens {
+        expect_nonnull(cu, &format!("{op}: `cu_seqlens`"))?;
+    }
     for (t, name) in named {
         if let Some(t) = t {
             expect_nonnull(t, &format!("{op}: `{name}`"))?;
@@ -470,10 +542,21 @@ fn validate_inputs(op: &str, args: &Inputs) -> Result<Checked> {
         n_chunks: 1,
         checkpoints: std::ptr::null_mut(),
         checkpoint_len: 0,
-        cu_seqlens: std::ptr::null(),
-        num_seqs: 0,
+        cu_seqlens: args.cu_seqlens.map_or(std::ptr::null(), |t| t.data as *const i32),
+        num_seqs,
     };
-    Ok(Checked { params, dtype, bc_dtype: b.dtype, time_varying, groups, x_meaning, bc_dims, bc_meaning })
+    Ok(Checked {
+        params,
+        dtype,
+        bc_dtype: b.dtype,
+        time_varying,
+        groups,
+        x_meaning,
+        bc_dims,
+        bc_meaning,
+        state_rows,
+        state_meaning,
+    })
 }
 
 /// `checkpoint_len`: a positive multiple of [`CHECKPOINT_MULTIPLE`], or 0 (none) where `optional`.
@@ -505,7 +588,7 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
     let k = validate_inputs(op, &args.inputs)?;
     let u = args.inputs.u;
     expect(args.out, &format!("{op}: result `out`"), &u.dims, k.x_meaning, &[k.dtype])?;
-    expect(args.final_state, &format!("{op}: result `final_state`"), &k.state_dims(), STATE_MEANING, &[DType::F32])?;
+    expect(args.final_state, &format!("{op}: result `final_state`"), &k.state_dims(), k.state_meaning, &[DType::F32])?;
     validate_checkpoint_len(op, args.checkpoint_len, true)?;
     match (args.checkpoints, args.checkpoint_len) {
         (None, 0) => {}
@@ -551,6 +634,10 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
 pub fn run_fwd(fwd: &Fwd, platform: Platform) -> Result<()> {
     match platform {
         Platform::Cpu => {
+            // SAFETY: validated, and on the CPU platform every buffer is host memory.
+            if let Some(cu) = unsafe { fwd.params.host_cu_seqlens() } {
+                check_cu_seqlens_values("selective_scan_fwd", cu, fwd.params.seqlen)?;
+            }
             crate::cpu::selective_scan::fwd(fwd);
             Ok(())
         }
@@ -663,7 +750,7 @@ pub fn validate_bwd(args: &BwdArgs) -> Result<Bwd> {
     )?;
     expect(args.dout, &format!("{op}: operand `dout`"), x_dims, k.x_meaning, &[k.dtype])?;
     if let Some(t) = args.dfinal_state {
-        expect(t, &format!("{op}: operand `dfinal_state`"), &state_dims, STATE_MEANING, &[DType::F32])?;
+        expect(t, &format!("{op}: operand `dfinal_state`"), &state_dims, k.state_meaning, &[DType::F32])?;
     }
     expect(args.du, &format!("{op}: result `du`"), x_dims, k.x_meaning, &[k.dtype])?;
     expect(args.ddelta, &format!("{op}: result `ddelta`"), x_dims, k.x_meaning, &[k.dtype])?;
@@ -683,7 +770,7 @@ pub fn validate_bwd(args: &BwdArgs) -> Result<Bwd> {
             "initial_state",
             "dinitial_state",
             &state_dims,
-            STATE_MEANING,
+            k.state_meaning,
             DType::F32,
         ),
     ];
@@ -772,6 +859,10 @@ pub fn validate_bwd(args: &BwdArgs) -> Result<Bwd> {
 pub fn run_bwd(bwd: &Bwd, platform: Platform) -> Result<()> {
     match platform {
         Platform::Cpu => {
+            // SAFETY: validated, and on the CPU platform every buffer is host memory.
+            if let Some(cu) = unsafe { bwd.params.fwd.host_cu_seqlens() } {
+                check_cu_seqlens_values("selective_scan_bwd", cu, bwd.params.fwd.seqlen)?;
+            }
             crate::cpu::selective_scan_bwd::bwd(bwd);
             Ok(())
         }

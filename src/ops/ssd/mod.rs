@@ -876,6 +876,7 @@ impl ScanView {
             z: self.z.as_ref(),
             delta_bias: self.delta_bias.as_ref(),
             initial_state: self.initial_state.as_ref(),
+            cu_seqlens: None,
             delta_softplus: self.softplus,
             layout: selective_scan::Layout::ChannelLast,
         }

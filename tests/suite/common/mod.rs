@@ -320,6 +320,8 @@ impl Case {
         final_state: *mut f32,
     ) -> xla_ssm::capi::XlaSsmSelectiveScanFwdArgs {
         xla_ssm::capi::XlaSsmSelectiveScanFwdArgs {
+            cu_seqlens: std::ptr::null(),
+            num_seqs: 0,
             batch: self.batch as i64,
             dim: self.dim as i64,
             seqlen: self.seqlen as i64,
