@@ -58,7 +58,7 @@ def _present(args, attrs):
     names = []
     for a in args:
         kind, _, attr = a["when"].partition(":")
-        if kind == "always" or (kind == "flag" and bool(attrs[attr])) or (kind == "nonzero" and int(attrs.get(attr, 0))):
+        if kind == "always" or (kind == "flag" and bool(attrs.get(attr, False))) or (kind == "nonzero" and int(attrs.get(attr, 0))):
             names.append(a["name"])
     return names
 
@@ -103,6 +103,25 @@ def test_selective_scan(signatures, calls, d, z, bias, h0):
 
     def loss(u, delta, B):
         out, last = xla_ssm.selective_scan(u, delta, A, B, C, **opt, delta_softplus=True, return_final_state=True)
+        return out.sum() + last.sum()
+
+    jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(u, delta, B)
+    check(signatures, calls, ["xla_ssm_selective_scan_fwd", "xla_ssm_selective_scan_bwd"])
+
+
+@pytest.mark.parametrize("h0", [False, True])
+def test_selective_scan_packed(signatures, calls, h0):
+    rng = np.random.default_rng(4)
+    dim, seqlen, n = 8, 40, 4
+    cu = np.asarray([0, 3, 3, 30, 40], np.int32)
+    u, delta = rnd(rng, (1, seqlen, dim)), rnd(rng, (1, seqlen, dim))
+    A, B, C = -jnp.exp(rnd(rng, (dim, n))), rnd(rng, (1, seqlen, 1, n)), rnd(rng, (1, seqlen, 1, n))
+    h = rnd(rng, (4, dim, n)) if h0 else None
+
+    def loss(u, delta, B):
+        out, last = xla_ssm.selective_scan(
+            u, delta, A, B, C, initial_state=h, return_final_state=True, layout="bld", cu_seqlens=cu
+        )
         return out.sum() + last.sum()
 
     jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(u, delta, B)

@@ -48,6 +48,7 @@ class _Cfg(NamedTuple):
     has_delta_bias: bool
     has_initial_state: bool
     return_final_state: bool
+    packed: bool = False  # cu_seqlens given: sequences packed along seqlen of batch 1
 
 
 class _Call(NamedTuple):
@@ -59,12 +60,18 @@ class _Call(NamedTuple):
 
 # Roles of operands and results, which say how each is sharded and vmapped:
 #   x: like u; A: (dim, dstate); bc4: time-varying B/C; bc2: (dim, dstate) B/C; vec: (dim,);
-#   state: (batch, dim, dstate); ckpt: (batch, dim, n_checkpoints, dstate).
-def _param_roles(cfg: _Cfg):
+#   state: (batch, dim, dstate), packed (num_seqs, dim, dstate); ckpt: (batch, dim, n_checkpoints,
+#   dstate); cu: cu_seqlens (num_seqs + 1,).
+def _grad_roles(cfg: _Cfg):
+    """The differentiable operands' roles: those the backward returns a gradient for."""
     bc = "bc4" if cfg.bc_rank == 4 else "bc2"
     roles = ["x", "x", "A", bc, bc]
     roles += ["vec"] * cfg.has_d + ["x"] * cfg.has_z + ["vec"] * cfg.has_delta_bias
     return roles + ["state"] * cfg.has_initial_state
+
+
+def _param_roles(cfg: _Cfg):
+    return _grad_roles(cfg) + ["cu"] * cfg.packed
 
 
 def _in_roles(call: _Call):
@@ -76,7 +83,7 @@ def _in_roles(call: _Call):
 
 def _out_roles(call: _Call):
     if call.kind == "bwd":  # one gradient per differentiable operand
-        return _param_roles(call.cfg)
+        return _grad_roles(call.cfg)
     return ["x", "state"] + ["ckpt"] * (call.checkpoint_len > 0)
 
 
@@ -126,6 +133,7 @@ def _attrs(cfg: _Cfg):
         has_delta_bias=np.bool_(cfg.has_delta_bias),
         has_initial_state=np.bool_(cfg.has_initial_state),
         layout=cfg.layout,
+        **({"has_cu_seqlens": np.bool_(True)} if cfg.packed else {}),
     )
 
 
@@ -136,8 +144,9 @@ def _raw(call: _Call, *ops):
     batch, dim, seqlen, dstate, groups = _sizes(cfg, u, A, B)
     attrs = _attrs(cfg)
     n_ck = -(-seqlen // call.checkpoint_len) if call.checkpoint_len else 0
+    state_rows = ops[len(_grad_roles(cfg))].shape[0] - 1 if cfg.packed else batch  # packed: num_seqs
     if call.kind == "fwd":
-        results = [jax.ShapeDtypeStruct(u.shape, u.dtype), jax.ShapeDtypeStruct((batch, dim, dstate), _F32)]
+        results = [jax.ShapeDtypeStruct(u.shape, u.dtype), jax.ShapeDtypeStruct((state_rows, dim, dstate), _F32)]
         if call.checkpoint_len:
             attrs["checkpoint_len"] = np.int64(call.checkpoint_len)
             results.append(jax.ShapeDtypeStruct((batch, dim, n_ck, dstate), _F32))
@@ -146,7 +155,7 @@ def _raw(call: _Call, *ops):
     _lib.require(BWD)
     attrs["checkpoint_len"] = np.int64(call.checkpoint_len)
     attrs["has_dfinal_state"] = np.bool_(call.has_dfinal_state)
-    n = len(_param_roles(cfg))
+    n = len(_grad_roles(cfg))
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ops[:n]]  # gradients: primal shapes and dtypes
     ws = _lib.workspace_bytes("xla_ssm_selective_scan_bwd_workspace_bytes", batch, dim, seqlen, dstate, groups)
     return _ffi(BWD, results, ws, ops, attrs)
@@ -170,8 +179,10 @@ def _spec(call: _Call, role, plan):
         return P(d, None)
     if role == "vec":
         return P(d)
-    if role == "state":
-        return P(b, d, None)
+    if role == "state":  # packed: one row per sequence, never split
+        return P(None if call.cfg.packed else b, d, None)
+    if role == "cu":
+        return P(None)
     return P(b, d, None, None)  # ckpt
 
 
@@ -192,11 +203,16 @@ _LETTERS = {
 
 
 def _factors(call: _Call, role, ndim):
+    if role == "cu":
+        return "c"
+    if role == "state" and call.cfg.packed:  # rows are sequences, not batch entries
+        return "s d n"
     return _LETTERS.get((role, call.cfg.layout)) or _LETTERS[role]
 
 
-# Batch and dim pass through; seqlen, dstate and the checkpoint axis must not be sharded.
-_pcall = partitioned(_raw, _in_roles, _out_roles, _shard_plan, _spec, _psum_axes, _factors, "lnk")
+# Batch and dim pass through; seqlen, dstate, the checkpoint axis, and packed sequences' rows and
+# boundaries must not be sharded.
+_pcall = partitioned(_raw, _in_roles, _out_roles, _shard_plan, _spec, _psum_axes, _factors, "lnkcs")
 
 
 # ----------------------------------------------------------------------------------- vmap
@@ -216,6 +232,16 @@ def _vmap_rule(call: _Call, f, axis_size, in_batched, *ops):
     whose per-dim parameters are shared: a free reshape), else dim: the k examples become k*dim
     channels, each with its own copy of the parameters, so the backward's per-dim gradient sums stay
     per example (what vmap of a gradient means) and mapped parameters need no loop."""
+    if call.cfg.packed:
+        # Packed streams have batch 1 and their own boundaries: one call per example.
+        mapped = tuple(x for x, b in zip(ops, in_batched) if b)
+
+        def one(xs):
+            it = iter(xs)
+            return f(*(next(it) if b else x for x, b in zip(ops, in_batched)))
+
+        res = jax.lax.map(one, mapped)
+        return tuple(res), (True,) * len(res)
     axis_of = functools.partial(_dim_axis, layout=call.cfg.layout)
     return fold_vmap(
         f, axis_size, _in_roles(call), _out_roles(call), ops, in_batched, _PER_EXAMPLE, call.kind == "fwd", axis_of
@@ -240,8 +266,10 @@ def _scan_bwd(cfg: _Cfg, res, cts):
     args = [*ops, checkpoints, dout.astype(ops[0].dtype)]
     if cfg.return_final_state:  # else the caller never saw final_state: its cotangent is zero
         args.append(dfinal_state.astype(_F32))
-    grads = _vcall(_Call("bwd", cfg, CHECKPOINT_LEN, cfg.return_final_state), *args)
-    return (tuple(grads),)
+    grads = tuple(_vcall(_Call("bwd", cfg, CHECKPOINT_LEN, cfg.return_final_state), *args))
+    if cfg.packed:  # the boundaries are integers: no gradient
+        grads += (np.zeros(ops[-1].shape, jax.dtypes.float0),)
+    return (grads,)
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)
@@ -273,6 +301,7 @@ def selective_scan(
     initial_state=None,
     return_final_state=False,
     layout="bdl",
+    cu_seqlens=None,
 ):
     """Mamba-1 selective scan (docs/selective_scan_fwd.md) through libxla_ssm, differentiable.
 
@@ -288,6 +317,13 @@ def selective_scan(
     saves a state every CHECKPOINT_LEN steps, the backward recomputes between them), batchable with
     jax.vmap (A, D, delta_bias may be mapped too), and under jax.jit with inputs sharded over batch
     and/or dim it runs on the shards without gathering them.
+
+    cu_seqlens: int32 (num_seqs + 1,), sequences packed along seqlen of a batch-1 u (no leading
+    dims): boundaries 0 = cu[0] <= cu[1] <= ... <= cu[-1] = seqlen. The state resets at each
+    boundary, to initial_state[s] ((num_seqs, dim, dstate)) or zeros; the final state is then
+    (num_seqs, dim, dstate), and gradients do not cross boundaries. Concrete boundaries are checked
+    here; traced ones are checked by the CPU target, while on CUDA invalid ones give undefined
+    (but memory-safe) results. Under jax.vmap packed calls run one example at a time.
     """
     u, delta, A, B, C, D, z, delta_bias, initial_state = _as_arrays(
         u, delta, A, B, C, D, z, delta_bias, initial_state
@@ -301,6 +337,17 @@ def selective_scan(
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     if u.ndim < 3:
         raise ValueError(f"u must have rank 3 (batch, dim, seqlen) after any leading dims, got shape {tuple(u.shape)}")
+    packed_h0 = None
+    if cu_seqlens is not None:
+        cu_seqlens = _check_cu_seqlens(cu_seqlens, u, layout)
+        if initial_state is not None:  # checked here: _check knows only per-batch states
+            want = (cu_seqlens.shape[0] - 1, u.shape[1] if layout == "bdl" else u.shape[2], A.shape[-1])
+            if tuple(initial_state.shape) != want or initial_state.dtype != _F32:
+                raise ValueError(
+                    f"initial_state with cu_seqlens must be float32 of shape (num_seqs, dim, dstate) = {want}, "
+                    f"got {initial_state.dtype} {tuple(initial_state.shape)}"
+                )
+            packed_h0, initial_state = initial_state, None
     lead = tuple(u.shape[:-3])
     nl = len(lead)
     # u's leading dims: delta and z carry them too; B, C and initial_state carry them or are shared.
@@ -322,7 +369,10 @@ def selective_scan(
         view(u, True), view(delta, True), A, view(B, bc_lead), view(C, bc_lead), D, view(z, True),
         delta_bias, delta_softplus, view(initial_state, h0_lead), layout,
     )  # fmt: skip
+    if packed_h0 is not None:
+        initial_state = packed_h0
     cfg = _Cfg(
+        packed=cu_seqlens is not None,
         delta_softplus=bool(delta_softplus),
         layout=layout,
         bc_rank=B.ndim - nl * bc_lead,
@@ -352,8 +402,34 @@ def selective_scan(
     ops += [delta_bias] if delta_bias is not None else []
     if initial_state is not None:
         ops.append(fold(initial_state, h0_lead, 3))
+    if cu_seqlens is not None:
+        ops.append(cu_seqlens)
     out, final_state = _scan(cfg, tuple(ops))
     if nl:
         out = out.reshape(u.shape)
         final_state = final_state.reshape(*lead, u.shape[nl], *final_state.shape[1:])
     return (out, final_state) if return_final_state else out
+
+
+def _check_cu_seqlens(cu_seqlens, u, layout):
+    """cu_seqlens as an int32 array, checked against u (batch 1, no leading dims); its values too
+    when they are concrete (not traced)."""
+    if not hasattr(cu_seqlens, "shape"):
+        cu_seqlens = np.asarray(cu_seqlens)
+    if u.ndim != 3 or u.shape[0] != 1:
+        raise ValueError(
+            f"cu_seqlens packs sequences along seqlen of one batch row: u must be (1, dim, seqlen) "
+            f"(or (1, seqlen, dim)), got shape {tuple(u.shape)}"
+        )
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 1 or not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+        raise ValueError(
+            f"cu_seqlens must be a rank-1 integer array (num_seqs + 1,), got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
+    seqlen = u.shape[2] if layout == "bdl" else u.shape[1]
+    if not isinstance(cu_seqlens, jax.core.Tracer):
+        v = np.asarray(cu_seqlens)
+        if v[0] != 0 or v[-1] != seqlen or np.any(np.diff(v) < 0):
+            raise ValueError(
+                f"cu_seqlens must start at 0, never decrease and end at seqlen (= {seqlen}), got {v.tolist()}"
+            )
+    return jnp.asarray(cu_seqlens, jnp.int32)

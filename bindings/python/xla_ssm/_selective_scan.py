@@ -150,10 +150,14 @@ def selective_scan_ref(
     delta_softplus=False,
     initial_state=None,
     layout="bdl",
+    cu_seqlens=None,
 ):
     """Pure-JAX reference (`jax.lax.scan` over seqlen), same signature and results as
     `selective_scan_fwd`. Arithmetic in float32 (float64 if every input is float64 and x64 is on);
-    `out` is cast to u's dtype."""
+    `out` is cast to u's dtype. With `cu_seqlens` (concrete values) it runs each packed sequence on
+    its own and puts the results together: out like u, final states (num_seqs, dim, dstate)."""
+    if cu_seqlens is not None:
+        return _packed_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, layout, cu_seqlens)
     u, delta, A, B, C, D, z, delta_bias, initial_state = _as_arrays(
         u, delta, A, B, C, D, z, delta_bias, initial_state
     )
@@ -215,3 +219,25 @@ def selective_scan_ref(
     if layout == "bld":
         y = y.transpose(0, 2, 1)
     return y.astype(out_dtype), h
+
+
+def _packed_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, layout, cu_seqlens):
+    """selective_scan_ref of each sequence packed in a batch-1 input, concatenated."""
+    cu = [int(c) for c in np.asarray(cu_seqlens)]
+    axis = 2 if layout == "bdl" else 1  # seqlen of u, delta, z
+    bc_axis = 3 if layout == "bdl" else 1  # seqlen of time-varying B, C
+    outs, finals = [], []
+    for s in range(len(cu) - 1):
+        piece = slice(cu[s], cu[s + 1])
+
+        def cut(x, ax):
+            return None if x is None else jax.lax.slice_in_dim(x, piece.start, piece.stop, axis=ax)
+
+        bc = (cut(B, bc_axis), cut(C, bc_axis)) if B.ndim == 4 else (B, C)
+        h0 = None if initial_state is None else initial_state[s : s + 1]
+        out, h = selective_scan_ref(
+            cut(u, axis), cut(delta, axis), A, *bc, D, cut(z, axis), delta_bias, delta_softplus, h0, layout
+        )
+        outs.append(out)
+        finals.append(h)
+    return jnp.concatenate(outs, axis=axis), jnp.concatenate(finals, axis=0)
