@@ -4,6 +4,7 @@
 # sizes (length 1, odd lengths, partial tiles, every split path, zero sizes, misaligned inputs).
 # For a GPU machine with the .bundle/ of scripts/gpu-bundle.sh:
 #   bash tests/cuda/sanitize.sh [tool...]        default: all four
+#   XLA_SSM_SANITIZE_TESTS="mod::test ..."       a subset of the tests below (racecheck is slow)
 # Logs go to $OUT/sanitize (the device tool's folder) or /tmp/sanitize. Exit status 0 only if every
 # tool ran to the end and reported 0 errors.
 set -uo pipefail
@@ -25,7 +26,11 @@ tests=(
   ffi_cuda_decode::state_update_matches_reference ffi_cuda_decode::conv1d_fwd_bwd_update_match_reference
   ffi_cuda_decode::decode_step_matches_reference ffi_cuda_decode::state_update_pool_indices_and_out_of_range_skipped
   ffi_cuda_decode::zero_sizes
+  packed::cuda_matches_host
 )
+if [ -n "${XLA_SSM_SANITIZE_TESTS:-}" ]; then
+  read -r -a tests <<<"$XLA_SSM_SANITIZE_TESTS"
+fi
 
 status=0
 for tool in "${tools[@]}"; do
