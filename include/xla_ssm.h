@@ -214,7 +214,8 @@ typedef struct XlaSsmSsdFwdArgs {
   const void *z;
   // (heads) f32, optional.
   const float *dt_bias;
-  // (batch, heads, headdim, dstate) f32, optional.
+  // (batch, heads, headdim, dstate) f32, optional; (num_seqs, heads, headdim, dstate) with
+  // `cu_seqlens`, as are final_states (and the backward's dfinal_states, dinitial_states).
   const float *initial_states;
   // like x.
   void *y;
@@ -227,10 +228,15 @@ typedef struct XlaSsmSsdFwdArgs {
   // [`xla_ssm_ssd_chunk_states_dtype`] names (`dtype` where the tensor-core kernels run, else
   // f32): any other is refused, so a buffer sized for another dtype is never written past.
   XlaSsmDtype chunk_states_dtype;
-  // Device scratch of at least [`xla_ssm_ssd_fwd_workspace_bytes`] bytes: required by the CUDA
+  // Device scratch of at least [`xla_ssm_ssd_fwd_workspace_bytes`] bytes
+  // ([`xla_ssm_ssd_packed_fwd_workspace_bytes`] with `cu_seqlens`): required by the CUDA
   // forward, unused on the host.
   void *workspace;
   int64_t workspace_bytes;
+  // Packed sequences (docs/ssd.md): NULL, or int32 (num_seqs + 1) boundaries along seqlen of a
+  // batch-1 input; the states are then (num_seqs, heads, headdim, dstate).
+  const int32_t *cu_seqlens;
+  int64_t num_seqs;
 } XlaSsmSsdFwdArgs;
 
 // Arguments of the SSD backward (docs/ssd.md): the forward's inputs and chunk_states, the
@@ -276,10 +282,14 @@ typedef struct XlaSsmSsdBwdArgs {
   void *dz;
   float *ddt_bias;
   float *dinitial_states;
-  // Device scratch of at least [`xla_ssm_ssd_bwd_workspace_bytes`] bytes: required by the CUDA
+  // Device scratch of at least [`xla_ssm_ssd_bwd_workspace_bytes`] bytes
+  // ([`xla_ssm_ssd_packed_bwd_workspace_bytes`] with `cu_seqlens`): required by the CUDA
   // backward, unused on the host.
   void *workspace;
   int64_t workspace_bytes;
+  // As in [`XlaSsmSsdFwdArgs`].
+  const int32_t *cu_seqlens;
+  int64_t num_seqs;
 } XlaSsmSsdBwdArgs;
 
 #define XLA_SSM_OK 0
@@ -423,6 +433,29 @@ int64_t xla_ssm_ssd_bwd_workspace_bytes(int64_t batch,
                                         int64_t chunk_size,
                                         XlaSsmDtype dtype);
 
+// Bytes of device workspace the CUDA SSD forward needs for a packed call (`cu_seqlens` of
+// num_seqs sequences along seqlen, batch 1) of this shape and dtype; -1 for a shape or dtype a
+// call would refuse (`xla_ssm_last_error()` says why). Depends on these values only.
+int64_t xla_ssm_ssd_packed_fwd_workspace_bytes(int64_t seqlen,
+                                               int64_t num_seqs,
+                                               int64_t heads,
+                                               int64_t headdim,
+                                               int64_t dstate,
+                                               int64_t groups,
+                                               int64_t chunk_size,
+                                               XlaSsmDtype dtype);
+
+// Bytes of device workspace the CUDA SSD backward needs for a packed call of this shape and dtype
+// (as [`xla_ssm_ssd_packed_fwd_workspace_bytes`]); -1 for a shape or dtype a call would refuse.
+int64_t xla_ssm_ssd_packed_bwd_workspace_bytes(int64_t seqlen,
+                                               int64_t num_seqs,
+                                               int64_t heads,
+                                               int64_t headdim,
+                                               int64_t dstate,
+                                               int64_t groups,
+                                               int64_t chunk_size,
+                                               XlaSsmDtype dtype);
+
 // The SSD forward on host memory, on the calling thread (and worker threads it joins).
 //
 // # Safety
@@ -525,6 +558,29 @@ int64_t xla_ssm_ssd_bwd_workspace_bytes(int64_t batch,
                                         int64_t groups,
                                         int64_t chunk_size,
                                         XlaSsmDtype dtype);
+
+// Bytes of device workspace the CUDA SSD forward needs for a packed call (`cu_seqlens` of
+// num_seqs sequences along seqlen, batch 1) of this shape and dtype; -1 for a shape or dtype a
+// call would refuse (`xla_ssm_last_error()` says why). Depends on these values only.
+int64_t xla_ssm_ssd_packed_fwd_workspace_bytes(int64_t seqlen,
+                                               int64_t num_seqs,
+                                               int64_t heads,
+                                               int64_t headdim,
+                                               int64_t dstate,
+                                               int64_t groups,
+                                               int64_t chunk_size,
+                                               XlaSsmDtype dtype);
+
+// Bytes of device workspace the CUDA SSD backward needs for a packed call of this shape and dtype
+// (as [`xla_ssm_ssd_packed_fwd_workspace_bytes`]); -1 for a shape or dtype a call would refuse.
+int64_t xla_ssm_ssd_packed_bwd_workspace_bytes(int64_t seqlen,
+                                               int64_t num_seqs,
+                                               int64_t heads,
+                                               int64_t headdim,
+                                               int64_t dstate,
+                                               int64_t groups,
+                                               int64_t chunk_size,
+                                               XlaSsmDtype dtype);
 
 // The SSD forward on host memory, on the calling thread (and worker threads it joins).
 //

@@ -173,11 +173,11 @@ typedef struct SsdParams {
   const void *z;
   // (heads).
   const float *dt_bias;
-  // (batch, heads, headdim, dstate).
+  // (batch, heads, headdim, dstate); (num_seqs, heads, headdim, dstate) with packed sequences.
   const float *initial_states;
   // (batch, seqlen, heads, headdim) T.
   void *y;
-  // (batch, heads, headdim, dstate).
+  // Like initial_states.
   float *final_states;
   // (batch, heads, headdim, n_chunks, dstate): the state entering each chunk (chunk 0: the initial
   // state), of [`plan::chunk_states_dtype`] (T in the tensor-core kernels, f32 in the generic
@@ -200,6 +200,10 @@ typedef struct SsdParams {
   int32_t dt_softplus;
   // D is (heads, headdim) rather than (heads).
   int32_t D_per_channel;
+  // Packed sequences (docs/ssd.md): null, or int32 (num_seqs + 1) boundaries along seqlen of a
+  // batch-1 input; the state resets at each one, and the states are per sequence.
+  const int32_t *cu_seqlens;
+  int64_t num_seqs;
 } SsdParams;
 
 // Kernel parameters of the backward; generated into kernels/params.h. The forward's (y and
@@ -248,6 +252,10 @@ typedef struct SsdGlueParams {
   // delta holds the final dt (bias, softplus and clamp applied; rounded to T) instead of the raw dt.
   int32_t transformed;
   int32_t _reserved;
+  // Where chunk_states are in T (packed calls at the tensor-core shapes): the scan's f32
+  // checkpoints, (batch, dim, n_chunks, dstate), rounded into chunk_states after the forward and
+  // widened from them before the backward; else null.
+  float *chunk_states_f32;
 } SsdGlueParams;
 
 // The tensor-core forward's sequence split; generated into kernels/params.h as `FwdSplit`. The main

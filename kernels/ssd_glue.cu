@@ -111,6 +111,21 @@ __device__ __forceinline__ void reduce_heads(const SsdGlueParams g) {
     }
 }
 
+// chunk_states in T (packed calls at the tensor-core shapes) and the scan's f32 checkpoints, the
+// same layout: the forward rounds the checkpoints into chunk_states, the backward widens them back.
+template <typename T, bool ROUND>
+__device__ __forceinline__ void convert_chunk_states(const SsdGlueParams g) {
+    const SsdParams& p = g.q.fwd;
+    const int64_t n = p.batch * p.heads * p.headdim * ssd_chunk_count(p) * p.dstate;
+    T* states = static_cast<T*>(p.chunk_states);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        if (ROUND)
+            states[i] = from_f32<T>(g.chunk_states_f32[i]);
+        else
+            g.chunk_states_f32[i] = to_f32(states[i]);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_expand_params(const SsdGlueParams g) {
     expand_params(g);
 }
@@ -128,3 +143,13 @@ extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_reduce_heads
 SSD_GLUE(f32)
 SSD_GLUE(bf16)
 SSD_GLUE(f16)
+
+#define SSD_GLUE_CHUNK_STATES(T)                                                                        \
+    extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_round_chunk_states_##T(const SsdGlueParams g) { \
+        convert_chunk_states<T, true>(g);                                                               \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_widen_chunk_states_##T(const SsdGlueParams g) { \
+        convert_chunk_states<T, false>(g);                                                              \
+    }
+SSD_GLUE_CHUNK_STATES(bf16)
+SSD_GLUE_CHUNK_STATES(f16)

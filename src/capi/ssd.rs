@@ -42,7 +42,8 @@ pub struct XlaSsmSsdFwdArgs {
     pub z: *const c_void,
     /// (heads) f32, optional.
     pub dt_bias: *const f32,
-    /// (batch, heads, headdim, dstate) f32, optional.
+    /// (batch, heads, headdim, dstate) f32, optional; (num_seqs, heads, headdim, dstate) with
+    /// `cu_seqlens`, as are final_states (and the backward's dfinal_states, dinitial_states).
     pub initial_states: *const f32,
     /// like x.
     pub y: *mut c_void,
@@ -55,10 +56,15 @@ pub struct XlaSsmSsdFwdArgs {
     /// [`xla_ssm_ssd_chunk_states_dtype`] names (`dtype` where the tensor-core kernels run, else
     /// f32): any other is refused, so a buffer sized for another dtype is never written past.
     pub chunk_states_dtype: XlaSsmDtype,
-    /// Device scratch of at least [`xla_ssm_ssd_fwd_workspace_bytes`] bytes: required by the CUDA
+    /// Device scratch of at least [`xla_ssm_ssd_fwd_workspace_bytes`] bytes
+    /// ([`xla_ssm_ssd_packed_fwd_workspace_bytes`] with `cu_seqlens`): required by the CUDA
     /// forward, unused on the host.
     pub workspace: *mut c_void,
     pub workspace_bytes: i64,
+    /// Packed sequences (docs/ssd.md): NULL, or int32 (num_seqs + 1) boundaries along seqlen of a
+    /// batch-1 input; the states are then (num_seqs, heads, headdim, dstate).
+    pub cu_seqlens: *const i32,
+    pub num_seqs: i64,
 }
 
 /// Arguments of the SSD backward (docs/ssd.md): the forward's inputs and chunk_states, the
@@ -105,10 +111,14 @@ pub struct XlaSsmSsdBwdArgs {
     pub dz: *mut c_void,
     pub ddt_bias: *mut f32,
     pub dinitial_states: *mut f32,
-    /// Device scratch of at least [`xla_ssm_ssd_bwd_workspace_bytes`] bytes: required by the CUDA
+    /// Device scratch of at least [`xla_ssm_ssd_bwd_workspace_bytes`] bytes
+    /// ([`xla_ssm_ssd_packed_bwd_workspace_bytes`] with `cu_seqlens`): required by the CUDA
     /// backward, unused on the host.
     pub workspace: *mut c_void,
     pub workspace_bytes: i64,
+    /// As in [`XlaSsmSsdFwdArgs`].
+    pub cu_seqlens: *const i32,
+    pub num_seqs: i64,
 }
 
 /// Tensor descriptions of the fields both SSD argument structs share.
@@ -129,6 +139,7 @@ struct SsdDescribed {
     z: Tensor,
     dt_bias: Tensor,
     initial_states: Tensor,
+    cu_seqlens: Tensor,
     chunk_size: i64,
     dt_softplus: bool,
     dt_min: f32,
@@ -146,7 +157,12 @@ macro_rules! describe_ssd {
         let dt_dims = vec![batch, seqlen, heads];
         let bc_dims = vec![batch, seqlen, groups, dstate];
         let d_dims = if a.d_per_channel { vec![heads, headdim] } else { vec![heads] };
-        let state_dims = vec![batch, heads, headdim, dstate];
+        // Packed: a state row per sequence (num_seqs checked like a size before it is used).
+        let packed = !a.cu_seqlens.is_null();
+        if packed {
+            crate::ops::check_sizes($op, &[("states", &[a.num_seqs, heads, headdim, dstate])])?;
+        }
+        let state_dims = vec![if packed { a.num_seqs } else { batch }, heads, headdim, dstate];
         let chunks = crate::ops::ssd::n_chunks(seqlen, a.chunk_size);
         let chunk_dims = vec![batch, heads, headdim, chunks, dstate];
         let t = tensor;
@@ -161,6 +177,7 @@ macro_rules! describe_ssd {
             z: t(dtype, &x_dims, a.z),
             dt_bias: f32_at(&[heads], a.dt_bias),
             initial_states: f32_at(&state_dims, a.initial_states),
+            cu_seqlens: t(DType::S32, &[a.num_seqs.saturating_add(1)], a.cu_seqlens as *const c_void),
             chunk_size: a.chunk_size,
             dt_softplus: a.dt_softplus,
             dt_min: a.dt_min,
@@ -188,6 +205,7 @@ impl SsdDescribed {
             z: some(&self.z),
             dt_bias: some(&self.dt_bias),
             initial_states: some(&self.initial_states),
+            cu_seqlens: some(&self.cu_seqlens),
             chunk_size: self.chunk_size,
             dt_softplus: self.dt_softplus,
             dt_min: self.dt_min,
@@ -352,6 +370,58 @@ pub extern "C" fn xla_ssm_ssd_bwd_workspace_bytes(
     size(|| {
         let shape = ssd_shape(op, [batch, seqlen, heads, headdim, dstate, groups, chunk_size], dtype)?;
         Ok(crate::ops::ssd::plan::bwd_workspace_bytes(&shape))
+    })
+}
+
+/// The workspace-sizing shape of a packed call (batch 1), its sizes checked as a call with them
+/// would be.
+fn packed_shape(
+    op: &str,
+    [seqlen, num_seqs, heads, headdim, dstate, groups, chunk_size]: [i64; 7],
+    dtype: XlaSsmDtype,
+) -> Result<crate::ops::ssd::plan::Shape> {
+    crate::ops::check_sizes(op, &[("states", &[num_seqs, heads, headdim, dstate])])?;
+    ssd_shape(op, [1, seqlen, heads, headdim, dstate, groups, chunk_size], dtype)
+}
+
+/// Bytes of device workspace the CUDA SSD forward needs for a packed call (`cu_seqlens` of
+/// num_seqs sequences along seqlen, batch 1) of this shape and dtype; -1 for a shape or dtype a
+/// call would refuse (`xla_ssm_last_error()` says why). Depends on these values only.
+#[no_mangle]
+pub extern "C" fn xla_ssm_ssd_packed_fwd_workspace_bytes(
+    seqlen: i64,
+    num_seqs: i64,
+    heads: i64,
+    headdim: i64,
+    dstate: i64,
+    groups: i64,
+    chunk_size: i64,
+    dtype: XlaSsmDtype,
+) -> i64 {
+    let op = "xla_ssm_ssd_packed_fwd_workspace_bytes";
+    size(|| {
+        let shape = packed_shape(op, [seqlen, num_seqs, heads, headdim, dstate, groups, chunk_size], dtype)?;
+        Ok(crate::ops::ssd::plan::packed_fwd_workspace_bytes(&shape))
+    })
+}
+
+/// Bytes of device workspace the CUDA SSD backward needs for a packed call of this shape and dtype
+/// (as [`xla_ssm_ssd_packed_fwd_workspace_bytes`]); -1 for a shape or dtype a call would refuse.
+#[no_mangle]
+pub extern "C" fn xla_ssm_ssd_packed_bwd_workspace_bytes(
+    seqlen: i64,
+    num_seqs: i64,
+    heads: i64,
+    headdim: i64,
+    dstate: i64,
+    groups: i64,
+    chunk_size: i64,
+    dtype: XlaSsmDtype,
+) -> i64 {
+    let op = "xla_ssm_ssd_packed_bwd_workspace_bytes";
+    size(|| {
+        let shape = packed_shape(op, [seqlen, num_seqs, heads, headdim, dstate, groups, chunk_size], dtype)?;
+        Ok(crate::ops::ssd::plan::packed_bwd_workspace_bytes(&shape))
     })
 }
 

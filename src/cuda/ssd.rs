@@ -3,6 +3,12 @@
 //! the generic one: expand the per-head operands to channels
 //! (kernels/ssd_glue.cu), run the selective scan's CUDA kernels, and (backward) sum its per-channel
 //! gradients back to heads. Scratch comes from the workspace result ([`crate::ops::ssd::plan`]).
+//!
+//! Packed sequences (`cu_seqlens`) take the generic path at every shape: the selective scan resets
+//! the state at the boundaries, while the tensor-core kernels have no boundaries (their chunked
+//! products would need the decay mask cut at each one). Where chunk_states are in T (the
+//! tensor-core shapes) the scan's f32 checkpoints pass through an f32 copy in the workspace,
+//! rounded after the forward and widened before the backward, as on the CPU.
 
 use super::ssd_mma;
 use super::{launch, LaunchConfig};
@@ -23,7 +29,7 @@ const MAX_BLOCKS: u64 = 8192;
 pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
     let p = &ssd.params();
     let shape = shape(p, ssd.dtype());
-    if !plan::mma_applies(&shape) {
+    if p.packed() || !plan::mma_applies(&shape) {
         return generic_fwd(ssd, stream);
     }
     if !ssd_mma::aligned(p) {
@@ -40,7 +46,7 @@ pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
 pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
     let p = &bwd.params().fwd;
     let shape = shape(p, bwd.dtype());
-    if !plan::mma_applies(&shape) {
+    if p.packed() || !plan::mma_applies(&shape) {
         return generic_bwd(bwd, stream);
     }
     if !ssd_mma::bwd_aligned(&bwd.params()) {
@@ -107,7 +113,7 @@ fn carve(ssd: &Ssd, layout: &Layout, base: *mut u8, backward: bool) -> Scratch {
     }
 }
 
-fn glue(q: SsdBwdParams, ssd: &Ssd, s: &Scratch, ddt_f32: *mut f32) -> GlueParams {
+fn glue(q: SsdBwdParams, ssd: &Ssd, s: &Scratch, ddt_f32: *mut f32, chunk_states_f32: *mut f32) -> GlueParams {
     GlueParams {
         q,
         delta: s.delta,
@@ -121,6 +127,7 @@ fn glue(q: SsdBwdParams, ssd: &Ssd, s: &Scratch, ddt_f32: *mut f32) -> GlueParam
         ddt_f32,
         transformed: ssd.transformed() as i32,
         _reserved: 0,
+        chunk_states_f32,
     }
 }
 
@@ -139,28 +146,76 @@ fn expand(g: &GlueParams, dtype: DType, stream: *mut c_void) -> Result<()> {
     unsafe { launch(stream, MODULE, &kernel, grid_stride(p.rows() * p.headdim), g) }
 }
 
+/// The generic path's layout and its workspace sizer: packed calls have their own (with the f32
+/// copy of chunk_states where those are in T).
+fn generic_layout(p: &SsdParams, dtype: DType, backward: bool) -> (Layout, &'static str) {
+    let s = shape(p, dtype);
+    match (p.packed(), backward) {
+        (false, false) => (plan::fwd_layout(&s), "xla_ssm_ssd_fwd_workspace_bytes"),
+        (false, true) => (plan::bwd_layout(&s), "xla_ssm_ssd_bwd_workspace_bytes"),
+        (true, false) => (plan::packed_fwd_layout(&s), "xla_ssm_ssd_packed_fwd_workspace_bytes"),
+        (true, true) => (plan::packed_bwd_layout(&s), "xla_ssm_ssd_packed_bwd_workspace_bytes"),
+    }
+}
+
+/// Where the scan's f32 checkpoints go when chunk_states are in T: the layout's f32 copy (null when
+/// they are f32, or empty). Only packed calls reach the generic path with chunk_states in T.
+fn chunk_states_f32(ssd: &Ssd, layout: &Layout, base: *mut u8, op: &str) -> Result<*mut f32> {
+    let p = &ssd.params();
+    if ssd.chunk_states_dtype() == DType::F32 || base.is_null() || p.chunk_states_len() == 0 {
+        return Ok(std::ptr::null_mut());
+    }
+    if !p.packed() {
+        return Err(Error::Internal(format!("{op}: chunk_states in T on the generic path of an unpacked call")));
+    }
+    Ok(base.wrapping_add(layout.chunk_states_f32 as usize) as *mut f32)
+}
+
+/// A glue kernel over the elements of chunk_states (rounding the f32 copy to T, or widening).
+fn convert_chunk_states(g: &GlueParams, kernel: &str, dtype: DType, stream: *mut c_void) -> Result<()> {
+    let config = grid_stride(g.q.fwd.chunk_states_len());
+    // SAFETY: the parameters of a validated call (see `launch`); chunk_states_f32 holds
+    // chunk_states_len f32 of the workspace.
+    unsafe { launch(stream, MODULE, &format!("{kernel}_{}", dtype.name()), config, g) }
+}
+
 fn generic_fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
     let p = &ssd.params();
-    let layout = plan::fwd_layout(&shape(p, ssd.dtype()));
-    let base = workspace_base("ssd_fwd", p, &layout, "xla_ssm_ssd_fwd_workspace_bytes")?;
+    let (layout, sizer) = generic_layout(p, ssd.dtype(), false);
+    let base = workspace_base("ssd_fwd", p, &layout, sizer)?;
     let scratch = carve(ssd, &layout, base, false);
+    let f32_copy =
+        if ssd.save_chunk_states() { chunk_states_f32(ssd, &layout, base, "ssd_fwd")? } else { std::ptr::null_mut() };
     let q = SsdBwdParams::forward_only(*p);
-    expand(&glue(q, ssd, &scratch, std::ptr::null_mut()), ssd.dtype(), stream)?;
-    selective_scan::run_fwd(&scan_fwd(ssd, &scratch)?, Platform::Cuda { stream })
+    let g = glue(q, ssd, &scratch, std::ptr::null_mut(), f32_copy);
+    expand(&g, ssd.dtype(), stream)?;
+    if f32_copy.is_null() {
+        return selective_scan::run_fwd(&scan_fwd(ssd, &scratch)?, Platform::Cuda { stream });
+    }
+    let run = ssd.with_chunk_states(f32_copy as *mut c_void);
+    selective_scan::run_fwd(&scan_fwd(&run, &scratch)?, Platform::Cuda { stream })?;
+    convert_chunk_states(&g, "ssd_glue_round_chunk_states", ssd.dtype(), stream)
 }
 
 fn generic_bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
     let ssd = bwd.inputs();
     let p = &ssd.params();
-    let layout = plan::bwd_layout(&shape(p, ssd.dtype()));
-    let base = workspace_base("ssd_bwd", p, &layout, "xla_ssm_ssd_bwd_workspace_bytes")?;
+    let (layout, sizer) = generic_layout(p, ssd.dtype(), true);
+    let base = workspace_base("ssd_bwd", p, &layout, sizer)?;
     let scratch = carve(&ssd, &layout, base, true);
     let with_ddt_f32 = ssd.transformed() && ssd.present().dt_bias && !base.is_null();
     let ddt_f32 =
         if with_ddt_f32 { base.wrapping_add(layout.ddt_f32 as usize) as *mut f32 } else { std::ptr::null_mut() };
-    let g = glue(bwd.params(), &ssd, &scratch, ddt_f32);
+    let f32_copy = chunk_states_f32(&ssd, &layout, base, "ssd_bwd")?;
+    let g = glue(bwd.params(), &ssd, &scratch, ddt_f32, f32_copy);
     expand(&g, ssd.dtype(), stream)?;
-    selective_scan::run_bwd(&scan_bwd(bwd, &scratch)?, Platform::Cuda { stream })?;
+    if f32_copy.is_null() {
+        selective_scan::run_bwd(&scan_bwd(bwd, &scratch)?, Platform::Cuda { stream })?;
+    } else {
+        convert_chunk_states(&g, "ssd_glue_widen_chunk_states", ssd.dtype(), stream)?;
+        let run = bwd.with_chunk_states(f32_copy as *mut c_void);
+        selective_scan::run_bwd(&scan_bwd(&run, &scratch)?, Platform::Cuda { stream })?;
+    }
     // ddt: a warp per (b, l, h) row, 8 rows per block.
     let rows_per_block = (THREADS / 32) as u64;
     let blocks = (p.rows().max(0) as u64).div_ceil(rows_per_block).min(MAX_BLOCKS);

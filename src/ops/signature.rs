@@ -171,6 +171,7 @@ pub const SSD_FWD: Signature = Signature {
         opt("z", "has_z"),
         opt("dt_bias", "has_dt_bias"),
         opt("initial_states", "has_initial_states"),
+        opt("cu_seqlens", "has_cu_seqlens"),
     ],
     results: &[arg("y"), arg("final_states"), opt("chunk_states", "save_chunk_states")],
     workspace: true,
@@ -184,6 +185,7 @@ pub const SSD_FWD: Signature = Signature {
         SSD_ATTRS[6],
         SSD_ATTRS[7],
         flag("save_chunk_states"),
+        Attr { name: "has_cu_seqlens", ty: Bool, optional: true },
     ],
 };
 
@@ -199,6 +201,7 @@ pub const SSD_BWD: Signature = Signature {
         opt("z", "has_z"),
         opt("dt_bias", "has_dt_bias"),
         opt("initial_states", "has_initial_states"),
+        opt("cu_seqlens", "has_cu_seqlens"),
         arg("chunk_states"),
         arg("dy"),
         opt("dfinal_states", "has_dfinal_states"),
@@ -225,6 +228,7 @@ pub const SSD_BWD: Signature = Signature {
         SSD_ATTRS[6],
         SSD_ATTRS[7],
         flag("has_dfinal_states"),
+        Attr { name: "has_cu_seqlens", ty: Bool, optional: true },
     ],
 };
 

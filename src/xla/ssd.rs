@@ -21,6 +21,7 @@ fn inputs<'t>(frame: &Frame, op: &str, call: &'t Call) -> Result<Inputs<'t>> {
         z: call.operand("z"),
         dt_bias: call.operand("dt_bias"),
         initial_states: call.operand("initial_states"),
+        cu_seqlens: call.operand("cu_seqlens"),
         chunk_size: frame.attr_i64("chunk_size").map_err(&pre)?,
         dt_softplus: frame.attr_bool("dt_softplus").map_err(&pre)?,
         dt_min: frame.attr_f32("dt_min").map_err(&pre)?,

@@ -58,7 +58,9 @@ def _present(args, attrs):
     names = []
     for a in args:
         kind, _, attr = a["when"].partition(":")
-        if kind == "always" or (kind == "flag" and bool(attrs.get(attr, False))) or (kind == "nonzero" and int(attrs.get(attr, 0))):
+        # An optional flag the call leaves out is false (src/ops/signature.rs, `When::Flag`).
+        flag = kind == "flag" and bool(attrs.get(attr, False))
+        if kind == "always" or flag or (kind == "nonzero" and int(attrs.get(attr, 0))):
             names.append(a["name"])
     return names
 
@@ -147,6 +149,28 @@ def test_ssd(signatures, calls, d, z, bias, h0):
 
     jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, dt, B)
     check(signatures, calls, ["xla_ssm_ssd_fwd", "xla_ssm_ssd_bwd"])
+
+
+@pytest.mark.parametrize("z, h0", list(itertools.product([False, True], repeat=2)))
+def test_ssd_packed(signatures, calls, z, h0):
+    rng = np.random.default_rng(4)
+    seqlen, heads, headdim, n = 50, 2, 4, 8
+    cu = jnp.asarray([0, 10, 10, 41, 50], jnp.int32)
+    x, dt = rnd(rng, (1, seqlen, heads, headdim)), rnd(rng, (1, seqlen, heads))
+    A, B, C = -jnp.exp(rnd(rng, (heads,))), rnd(rng, (1, seqlen, 1, n)), rnd(rng, (1, seqlen, 1, n))
+    opt = dict(
+        D=rnd(rng, (heads,)),
+        z=rnd(rng, (1, seqlen, heads, headdim)) if z else None,
+        initial_states=rnd(rng, (4, heads, headdim, n)) if h0 else None,
+    )
+
+    def loss(x, dt, B):
+        y, last = xla_ssm.ssd(x, dt, A, B, C, chunk_size=32, **opt, return_final_states=True, cu_seqlens=cu)
+        return y.sum() + last.sum()
+
+    jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, dt, B)
+    check(signatures, calls, ["xla_ssm_ssd_fwd", "xla_ssm_ssd_bwd"])
+    assert all(c[3].get("has_cu_seqlens") for c in calls)
 
 
 @pytest.mark.parametrize("bias, h0", list(itertools.product([False, True], repeat=2)))

@@ -311,3 +311,145 @@ def test_static_argument_errors():
         xla_ssm.ssd(**kw, dt_limit=0.5)
     with pytest.raises(TypeError, match=r"dt_softplus must be a Python bool"):
         xla_ssm.ssd(**kw, dt_softplus=jnp.bool_(True))
+
+
+# ------------------------------------------------------------------------- packed sequences
+def make_packed(seed, lens, heads=4, headdim=3, dstate=5, groups=2, **kw):
+    """A batch-1 case of sequences of these lengths packed along seqlen, with an initial state per
+    sequence; (arrays, cu_seqlens)."""
+    case = make_case(seed, 1, sum(lens), heads, headdim, dstate, groups, **kw)
+    if "initial_states" in case:
+        rng = np.random.default_rng(seed + 1000)
+        case["initial_states"] = rng.standard_normal((len(lens), heads, headdim, dstate)).astype(np.float32)
+    return case, np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def sequence(kw, cu, s):
+    """Sequence s of a packed case as an unpacked one (batch 1)."""
+    lo, hi = int(cu[s]), int(cu[s + 1])
+    one = {k: v[:, lo:hi] if k in ("x", "dt", "B", "C", "z") else v for k, v in kw.items()}
+    if "initial_states" in kw:
+        one["initial_states"] = kw["initial_states"][s : s + 1]
+    return one
+
+
+PACKED_LENS = [0, 7, 1, 40, 0, 33, 64, 2, 0]  # empty and length-1 ones, boundaries off the chunk grid
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_packed_forward(dtype):
+    """Packed == one call per sequence == ssd_ref, under jit with the boundaries traced."""
+    kw, cu = make_packed(60, PACKED_LENS, dtype=dtype)
+    static = dict(chunk_size=32, dt_softplus=True, dt_limit=CLAMP)
+    y, s = ours(**kw, **static, return_final_states=True, cu_seqlens=cu)
+    assert y.shape == kw["x"].shape and s.shape == (len(PACKED_LENS), 4, 3, 5) and s.dtype == jnp.float32
+    for i in range(len(PACKED_LENS)):
+        yi, si = ours(**sequence(kw, cu, i), **static, return_final_states=True)
+        lo, hi = cu[i], cu[i + 1]
+        assert_close(f"y of sequence {i}", y[:, lo:hi], yi, (1e-6, 1e-5) if dtype == F32 else Y_TOL[dtype])
+        assert_close(f"final state {i}", s[i], si[0], (1e-6, 1e-5))
+    y_ref, s_ref = xla_ssm.ssd_ref(**upcast(kw), **static, return_final_states=True, cu_seqlens=cu)
+    assert_close("y", y, y_ref, Y_TOL[dtype])
+    assert_close("final_states", s, s_ref, STATE_TOL[dtype])
+
+
+def test_packed_tensor_core_shape():
+    """bf16, headdim 64, dstate 64, chunk 64: chunk_states in bf16 (the CUDA tensor-core shapes,
+    which packed calls run on the generic path); gradients too."""
+    kw, cu = make_packed(61, [0, 70, 1, 129, 0], heads=2, headdim=64, dstate=64, groups=1, dtype=BF16)
+    static = dict(chunk_size=64, dt_softplus=True)
+    y, s = ours(**kw, **static, return_final_states=True, cu_seqlens=cu)
+    y_ref, s_ref = xla_ssm.ssd_ref(**upcast(kw), **static, return_final_states=True, cu_seqlens=cu)
+    assert_close("y", y, y_ref, Y_TOL[BF16])
+    assert_close("final_states", s, s_ref, STATE_TOL[BF16])
+    check_packed_grads(kw, cu, static)
+
+
+def check_packed_grads(kw, cu, static, seed=0):
+    dtype = np.dtype(kw["x"].dtype)
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(kw["x"].shape).astype(dtype).astype(np.float32)
+    v = rng.standard_normal((len(cu) - 1, *kw["initial_states"].shape[1:])).astype(np.float32)
+
+    def loss(scan):
+        def f(a):
+            y, s = scan(**a, **static, return_final_states=True, cu_seqlens=cu)
+            return jnp.sum(y.astype(jnp.float32) * w) + jnp.sum(s * v)
+
+        return f
+
+    got = jax.jit(jax.grad(loss(xla_ssm.ssd)))(kw)
+    want = jax.grad(loss(xla_ssm.ssd_ref))(upcast(kw))
+    for k in kw:
+        assert got[k].dtype == kw[k].dtype and got[k].shape == kw[k].shape, k
+        assert_close(f"d{k}", got[k], want[k], GRAD_TOL[dtype])
+
+
+@pytest.mark.parametrize("d, limit", [(1, (0.0, np.inf)), (2, CLAMP)])
+def test_packed_grads(d, limit):
+    kw, cu = make_packed(62, PACKED_LENS, d=d)
+    check_packed_grads(kw, cu, dict(chunk_size=32, dt_softplus=True, dt_limit=limit))
+
+
+def test_packed_grad_with_traced_boundaries():
+    """cu_seqlens as a jit argument: no gradient for it, and the others equal per-sequence ones."""
+    kw, cu = make_packed(63, [5, 0, 30, 1], d=0, z=False)
+    static = dict(chunk_size=32, dt_softplus=True)
+
+    def loss(a, c):
+        y, s = xla_ssm.ssd(**a, **static, return_final_states=True, cu_seqlens=c)
+        return jnp.sum(y) + jnp.sum(s * s)
+
+    got = jax.jit(jax.grad(loss))(kw, cu)
+    for i in range(len(cu) - 1):
+        one = sequence(kw, cu, i)
+
+        def part(a):
+            y, s = xla_ssm.ssd(**a, **static, return_final_states=True)
+            return jnp.sum(y) + jnp.sum(s * s)
+
+        want = jax.grad(part)(one)
+        lo, hi = cu[i], cu[i + 1]
+        for k in ("x", "dt", "B", "C"):
+            assert_close(f"d{k} of sequence {i}", got[k][:, lo:hi], want[k], (1e-5, 1e-4))
+        assert_close(f"dinitial_states {i}", got["initial_states"][i], want["initial_states"][0], (1e-5, 1e-4))
+
+
+def test_packed_vmap():
+    """vmap of packed calls (each example its own boundaries): one example at a time."""
+    cases = [make_packed(70 + i, lens) for i, lens in enumerate([[3, 0, 20, 9], [1, 31, 0, 0]])]
+    keys = list(cases[0][0])
+    xs = {k: np.stack([c[0][k] for c in cases]) for k in keys}
+    cus = np.stack([c[1] for c in cases])
+    static = dict(chunk_size=32, dt_softplus=True, return_final_states=True)
+    y, s = jax.jit(jax.vmap(lambda a, c: xla_ssm.ssd(**a, **static, cu_seqlens=c)))(xs, cus)
+    for i, (kw, cu) in enumerate(cases):
+        yr, sr = xla_ssm.ssd_ref(**kw, **static, cu_seqlens=cu)
+        assert_close("y", y[i], yr, Y_TOL[F32])
+        assert_close("final_states", s[i], sr, STATE_TOL[F32])
+
+
+def test_packed_errors():
+    kw, cu = make_packed(64, [4, 6])
+    bad = [
+        (dict(cu_seqlens=np.array([1, 4, 10], np.int32)), r"cu_seqlens must start at 0"),
+        (dict(cu_seqlens=np.array([0, 6, 4, 10], np.int32)), r"never decrease"),
+        (dict(cu_seqlens=np.array([0, 4, 9], np.int32)), r"end at seqlen \(= 10\)"),
+        (dict(cu_seqlens=np.array([0.0, 4.0, 10.0], np.float32)), r"rank-1 integer array"),
+        (dict(cu_seqlens=np.array([[0, 10]], np.int32)), r"rank-1 integer array"),
+    ]
+    for extra, match in bad:
+        with pytest.raises(ValueError, match=match):
+            xla_ssm.ssd(**kw, chunk_size=32, **extra)
+    two = make_case(65, 2, 10, 4, 3, 5, 2, h0=False)
+    with pytest.raises(ValueError, match=r"x must be \(1, seqlen, heads, headdim\)"):
+        xla_ssm.ssd(**two, chunk_size=32, cu_seqlens=np.array([0, 10], np.int32))
+    with pytest.raises(ValueError, match=r"initial_states must have shape \(num_seqs, heads, headdim, dstate\)"):
+        xla_ssm.ssd(**{**kw, "initial_states": kw["initial_states"][:1]}, chunk_size=32, cu_seqlens=cu)
+
+
+def test_packed_traced_bad_boundaries_refused_by_the_cpu_target():
+    kw, _ = make_packed(66, [4, 6])
+    f = jax.jit(lambda c: xla_ssm.ssd(**kw, chunk_size=32, cu_seqlens=c))
+    with pytest.raises(Exception, match=r"cu_seqlens"):
+        jax.block_until_ready(f(np.array([0, 7, 5], np.int32)))

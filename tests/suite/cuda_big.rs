@@ -250,6 +250,8 @@ fn ssd_past_2_pow_31_elements() {
             chunk_states_dtype: XLA_SSM_F32,
             workspace: ws.at(0),
             workspace_bytes: ws_bytes,
+            cu_seqlens: std::ptr::null(),
+            num_seqs: 0,
         };
         // SAFETY: device buffers of the sizes `args` describes (offsets within them), in the
         // current context; the stream is live.

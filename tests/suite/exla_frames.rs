@@ -689,6 +689,8 @@ fn ssd_forward_frames_match_the_c_api() {
             chunk_states_dtype,
             workspace: std::ptr::null_mut(),
             workspace_bytes: 0,
+            cu_seqlens: std::ptr::null(),
+            num_seqs: 0,
         };
         // SAFETY: every pointer addresses a host buffer of the size the struct describes.
         let status = unsafe { xla_ssm_ssd_fwd_host(&args) };

@@ -575,6 +575,8 @@ fn c_api_host_matches_handlers() {
             chunk_states_dtype: cs_dt.capi(),
             workspace: std::ptr::null_mut(),
             workspace_bytes: 0,
+            cu_seqlens: std::ptr::null(),
+            num_seqs: 0,
         };
         // SAFETY: every pointer addresses an array of the size the struct describes.
         assert_eq!(unsafe { xla_ssm_ssd_fwd_host(&fwd_args) }, XLA_SSM_OK);
@@ -626,6 +628,8 @@ fn c_api_host_matches_handlers() {
             dinitial_states: dh0.as_mut_ptr(),
             workspace: std::ptr::null_mut(),
             workspace_bytes: 0,
+            cu_seqlens: std::ptr::null(),
+            num_seqs: 0,
         };
         // SAFETY: as above.
         assert_eq!(unsafe { xla_ssm_ssd_bwd_host(&bwd_args) }, XLA_SSM_OK);

@@ -51,17 +51,27 @@ fn bwd_bytes(c: &SsdCase) -> i64 {
     xla_ssm_ssd_bwd_workspace_bytes(b, l, h, p, n, g, q, c.dtype.capi())
 }
 
+/// Workspace sizes of a problem: the packed functions' for a packed one.
+fn problem_bytes(p: &SsdProblem, backward: bool) -> i64 {
+    let Some(cu) = &p.cu else { return if backward { bwd_bytes(&p.case) } else { fwd_bytes(&p.case) } };
+    let c = &p.case;
+    let [l, s, h, d, n, g, q] =
+        [c.seqlen, cu.len() - 1, c.heads, c.headdim, c.dstate, c.groups, c.chunk_size].map(|v| v as i64);
+    let f = if backward { xla_ssm_ssd_packed_bwd_workspace_bytes } else { xla_ssm_ssd_packed_fwd_workspace_bytes };
+    f(l, s, h, d, n, g, q, c.dtype.capi())
+}
+
 /// The CUDA forward (saving chunk states), with a workspace of the size asked for, poisoned.
 fn gpu_fwd(p: &SsdProblem, stream: *mut c_void) -> Result<FwdOut, (i32, String)> {
     let mut rets = p.fwd_results(true);
-    rets.push(workspace("workspace", fwd_bytes(&p.case)));
+    rets.push(workspace("workspace", problem_bytes(p, false)));
     let out = run_device(xla_ssm_ssd_fwd_cuda, &p.operands(), &rets, &p.fwd_attrs(true), stream)?;
     Ok(FwdOut::decode(&p.case, &out))
 }
 
 fn gpu_bwd(p: &SsdProblem, chunk_states: &[f32], stream: *mut c_void) -> Result<Grads<f32>, (i32, String)> {
     let mut rets = p.bwd_results();
-    rets.push(workspace("workspace", bwd_bytes(&p.case)));
+    rets.push(workspace("workspace", problem_bytes(p, true)));
     let out = run_device(xla_ssm_ssd_bwd_cuda, &p.bwd_operands(chunk_states), &rets, &p.bwd_attrs(), stream)?;
     Ok(Grads::decode(&rets, &out))
 }
@@ -221,6 +231,112 @@ fn tensor_core_paths() {
     roundtrip_all("tensor cores", &cases);
 }
 
+/// Chunk 0 of packed chunk states set to zero: the state before the boundary rule at step 0 is
+/// never read (the backward applies the rule there), so a kernel may leave anything there.
+fn packed_chunk0_zeroed(case: &SsdCase, mut out: FwdOut) -> FwdOut {
+    if let Some(cs) = out.chunk_states.as_mut() {
+        for (i, v) in cs.iter_mut().enumerate() {
+            if (i / case.dstate).is_multiple_of(case.n_chunks()) {
+                *v = 0.0;
+            }
+        }
+    }
+    out
+}
+
+/// Packed sequences (`cu_seqlens`) on CUDA, which runs them on the generic path at every shape (the
+/// selective scan's kernels reset the state at the boundaries): against the references, the host's
+/// results on the same chunk states, and a second run (bitwise). Generic shapes (f32 and bf16, a
+/// long stream that the scans split) and tensor-core shapes (chunk_states in T through an f32
+/// copy in the workspace), random boundaries with empty and length-1 sequences off the chunk grid.
+/// A workspace one byte short of the packed size is refused.
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
+fn packed_matches_host() {
+    gpu();
+    let stream = Stream::new();
+    let mut rng = crate::common::Rng::new(0xbacc);
+    let cases = [
+        // (case, total steps, longest sequence)
+        (
+            SsdCase {
+                groups: 2,
+                d: DForm::PerChannel,
+                dt_limit: CLAMP,
+                ..SsdCase::new(1, 0, 4, 16, 16).all_optional()
+            },
+            3000,
+            400,
+        ),
+        (
+            SsdCase { dtype: Dt::BF16, chunk_size: 32, has_z: false, ..SsdCase::new(1, 0, 4, 8, 16).all_optional() },
+            1500,
+            200,
+        ),
+        (SsdCase { chunk_size: 256, ..SsdCase::new(1, 0, 2, 64, 128) }, 6000, 1500),
+        (SsdCase { dtype: Dt::BF16, ..SsdCase::new(1, 0, 2, 64, 64).all_optional() }, 700, 150),
+        (
+            SsdCase {
+                dtype: Dt::F16,
+                chunk_size: 256,
+                groups: 2,
+                dt_limit: CLAMP,
+                ..SsdCase::new(1, 0, 4, 64, 128).all_optional()
+            },
+            2000,
+            600,
+        ),
+        (
+            SsdCase {
+                dtype: Dt::BF16,
+                chunk_size: 128,
+                d: DForm::PerChannel,
+                ..SsdCase::new(1, 0, 2, 64, 128).all_optional()
+            },
+            900,
+            300,
+        ),
+    ];
+    let double = |t: Tol| Tol { rel_l2: 2.0 * t.rel_l2, rel_max: 2.0 * t.rel_max };
+    for (k, (case, total, longest)) in cases.into_iter().enumerate() {
+        let lens = crate::ssd_packed::lengths(&mut rng, total, longest);
+        let case = SsdCase { seed: 900 + k as u64, ..case };
+        let p = SsdProblem::packed(&case, &lens, k % 2 == 0);
+        let case = &p.case;
+        let got = gpu_fwd(&p, stream.ptr()).unwrap_or_else(|(c, m)| panic!("CUDA forward failed ({c}): {m}\n{case:?}"));
+        let cs = got.chunk_states.clone().expect("chunk_states");
+        check_fwd(case, &p.reference(), &packed_chunk0_zeroed(case, got.clone()), case.cuda_states_tol());
+        let grads =
+            gpu_bwd(&p, &cs, stream.ptr()).unwrap_or_else(|(c, m)| panic!("CUDA backward failed ({c}): {m}\n{case:?}"));
+        check_grads(case, &p.reference_bwd(), &grads);
+
+        let cpu = p.run_fwd_cpu(true).unwrap();
+        assert_close("packed y (CUDA vs CPU)", case, &got.y, &f64s(&cpu.y), double(case.dtype.tol()));
+        let f = double(case.cuda_states_tol());
+        assert_close("packed final_states (CUDA vs CPU)", case, &got.final_states, &f64s(&cpu.final_states), f);
+        let cpu_grads = p.run_bwd_cpu(&cs).unwrap();
+        crate::ssd_packed::compare_grads(
+            "CUDA vs CPU",
+            case,
+            &grads,
+            &cpu_grads,
+            double(case.dtype.tol()),
+            double(grad_tol(case, "dA")),
+        );
+
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(bits(&gpu_fwd(&p, stream.ptr()).unwrap().y) == bits(&got.y), "two CUDA forwards differ: {case:?}");
+        assert!(gpu_bwd(&p, &cs, stream.ptr()).unwrap().bits() == grads.bits(), "two CUDA backwards differ: {case:?}");
+
+        let mut rets = p.fwd_results(true);
+        rets.push(workspace("workspace", problem_bytes(&p, false) - 1));
+        let short = run_device(xla_ssm_ssd_fwd_cuda, &p.operands(), &rets, &p.fwd_attrs(true), stream.ptr());
+        let (code, message) = short.expect_err("a short workspace");
+        assert_eq!(code, xla::ERR_INVALID_ARGUMENT, "{message}");
+        assert!(message.contains("xla_ssm_ssd_packed_fwd_workspace_bytes"), "{message}");
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
 fn zero_sized_dims() {
@@ -334,6 +450,8 @@ fn c_api_cuda_case(case: &SsdCase, stream: &Stream) {
         chunk_states_dtype: cs_dt.capi(),
         workspace: wsf.data(),
         workspace_bytes: wsf.len as i64,
+        cu_seqlens: std::ptr::null(),
+        num_seqs: 0,
     };
     // SAFETY: device arrays of the sizes the struct describes.
     assert_eq!(unsafe { xla_ssm_ssd_fwd_cuda_launch(&fwd_args, stream.ptr()) }, XLA_SSM_OK);
@@ -389,6 +507,8 @@ fn c_api_cuda_case(case: &SsdCase, stream: &Stream) {
         dinitial_states: g("dinitial_states") as *mut f32,
         workspace: wsb.data(),
         workspace_bytes: wsb.len as i64,
+        cu_seqlens: std::ptr::null(),
+        num_seqs: 0,
     };
     // SAFETY: as above.
     assert_eq!(unsafe { xla_ssm_ssd_bwd_cuda_launch(&bwd_args, stream.ptr()) }, XLA_SSM_OK);

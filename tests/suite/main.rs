@@ -25,5 +25,6 @@ mod headers;
 mod packed;
 mod params;
 mod reference;
+mod ssd_packed;
 mod ssd_reference;
 mod xla_registration;

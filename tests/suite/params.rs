@@ -91,7 +91,7 @@ fn rust_layouts() -> Vec<Layout> {
         SsdParams => "SsdParams" {
             x, dt, a => "A", b => "B", c => "C", d => "D", z, dt_bias, initial_states, y, final_states,
             chunk_states, workspace, workspace_bytes, batch, seqlen, heads, headdim, dstate, groups,
-            chunk_size, dt_min, dt_max, dt_softplus, d_per_channel => "D_per_channel",
+            chunk_size, dt_min, dt_max, dt_softplus, d_per_channel => "D_per_channel", cu_seqlens, num_seqs,
         }
         SsdBwdParams => "SsdBwdParams" {
             fwd, dy, dfinal_states, dx, ddt, da => "dA", db => "dB", dc => "dC", dd => "dD", dz, ddt_bias,
@@ -99,7 +99,7 @@ fn rust_layouts() -> Vec<Layout> {
         }
         GlueParams => "SsdGlueParams" {
             q, delta, a => "A", d => "D", dt_bias, ddelta, da => "dA", dd => "dD", ddelta_bias, ddt_f32,
-            transformed, _reserved,
+            transformed, _reserved, chunk_states_f32,
         }
         MmaFwdSplit => "FwdSplit" { tiles_per_part, n_parts, records_per_part }
         FwdMmaParams => "SsdMmaParams" { p, split }

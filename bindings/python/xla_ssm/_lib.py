@@ -80,12 +80,18 @@ def load() -> ctypes.CDLL:
         lib.xla_ssm_selective_scan_fwd_workspace_bytes.argtypes = [ctypes.c_int64] * 4
         lib.xla_ssm_selective_scan_bwd_workspace_bytes.restype = ctypes.c_int64
         lib.xla_ssm_selective_scan_bwd_workspace_bytes.argtypes = [ctypes.c_int64] * 5
-        for fn in ("xla_ssm_ssd_fwd_workspace_bytes", "xla_ssm_ssd_bwd_workspace_bytes"):
+        for fn in (
+            "xla_ssm_ssd_fwd_workspace_bytes",
+            "xla_ssm_ssd_bwd_workspace_bytes",
+            "xla_ssm_ssd_packed_fwd_workspace_bytes",
+            "xla_ssm_ssd_packed_bwd_workspace_bytes",
+        ):
             sizer = getattr(lib, fn, None)
             if sizer is None:
                 raise OSError(f"xla_ssm: {path} does not export {fn}")
             sizer.restype = ctypes.c_int64
-            # (batch, seqlen, heads, headdim, dstate, groups, chunk_size, dtype code)
+            # (batch, seqlen, heads, headdim, dstate, groups, chunk_size, dtype code); packed:
+            # (seqlen, num_seqs, heads, headdim, dstate, groups, chunk_size, dtype code)
             sizer.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int32]
         lib.xla_ssm_last_error.restype = ctypes.c_char_p
         lib.xla_ssm_last_error.argtypes = []

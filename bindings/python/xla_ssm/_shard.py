@@ -76,8 +76,12 @@ def partitioned(raw, in_roles, out_roles, plan, spec, psum_axes, factors, replic
             return ", ".join(factors(call, r, len(t.shape)) for r, t in zip(roles, types))
 
         lhs, rhs = side(in_roles(call), operand_types), side(out_roles(call), result_types)
-        present = set(f"{lhs} {rhs}".replace(",", " ").split())
-        return f"{lhs} -> {rhs}", {"need_replication_factors": tuple(f for f in replicated if f in present)}
+        letters = f"{lhs} {rhs}".replace(",", " ").split()
+        # Shardy numbers the factors in order of first appearance and wants these in that order
+        # (which depends on the optional operands present, e.g. packed states before or after cu).
+        first = {f: letters.index(f) for f in set(letters)}
+        need = tuple(sorted((f for f in replicated if f in first), key=first.__getitem__))
+        return f"{lhs} -> {rhs}", {"need_replication_factors": need}
 
     f = custom_partitioning(raw, static_argnums=(0,))
     f.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule)

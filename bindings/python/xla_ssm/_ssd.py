@@ -52,6 +52,7 @@ class _Cfg(NamedTuple):
     has_dt_bias: bool
     has_initial_states: bool
     return_final_states: bool
+    packed: bool = False  # cu_seqlens given: sequences packed along seqlen of batch 1
 
 
 class _Call(NamedTuple):
@@ -64,16 +65,21 @@ class _Call(NamedTuple):
 # Roles of operands and results, which say how each is sharded and vmapped (its batch axis, and the
 # axis that runs over heads: over groups for B/C):
 #   x: (batch, seqlen, heads, headdim); dt: (batch, seqlen, heads); bc: (batch, seqlen, groups,
-#   dstate); param: (heads, ...); state: (batch, heads, headdim, dstate);
-#   chunk: (batch, heads, headdim, n_chunks, dstate).
+#   dstate); param: (heads, ...); state: (batch, heads, headdim, dstate), packed (num_seqs, heads,
+#   headdim, dstate); chunk: (batch, heads, headdim, n_chunks, dstate); cu: cu_seqlens (num_seqs + 1,).
 _HEAD_AXIS = {"x": 2, "dt": 2, "bc": 2, "param": 0, "state": 1, "chunk": 1}
 _PER_EXAMPLE = frozenset(("x", "dt", "bc", "state", "chunk"))  # have a batch axis (axis 0)
 
 
-def _param_roles(cfg: _Cfg):
+def _grad_roles(cfg: _Cfg):
+    """The differentiable operands' roles: those the backward returns a gradient for."""
     roles = ["x", "dt", "param", "bc", "bc"]
     roles += ["param"] * (cfg.d_rank > 0) + ["x"] * cfg.has_z + ["param"] * cfg.has_dt_bias
     return roles + ["state"] * cfg.has_initial_states
+
+
+def _param_roles(cfg: _Cfg):
+    return _grad_roles(cfg) + ["cu"] * cfg.packed
 
 
 def _in_roles(call: _Call):
@@ -85,7 +91,7 @@ def _in_roles(call: _Call):
 
 def _out_roles(call: _Call):
     if call.kind == "bwd":  # one gradient per differentiable operand
-        return _param_roles(call.cfg)
+        return _grad_roles(call.cfg)
     return ["x", "state"] + ["chunk"] * call.save_chunk_states
 
 
@@ -106,6 +112,8 @@ def _attrs(call: _Call):
         attrs["save_chunk_states"] = np.bool_(call.save_chunk_states)
     else:
         attrs["has_dfinal_states"] = np.bool_(call.has_dfinal_states)
+    if cfg.packed:
+        attrs["has_cu_seqlens"] = np.bool_(True)
     return attrs
 
 
@@ -117,8 +125,16 @@ def _raw(call: _Call, *ops):
     groups, dstate = B.shape[2], B.shape[3]
     lib = _lib.require(FWD if call.kind == "fwd" else BWD)
     code = _DTYPE_CODE[jnp.dtype(x.dtype)]
-    shape = (batch, seqlen, heads, headdim, dstate, groups, cfg.chunk_size, code)
-    state = jax.ShapeDtypeStruct((batch, heads, headdim, dstate), _F32)
+    n = len(_grad_roles(cfg))
+    if cfg.packed:  # batch 1, a state row per sequence; packed calls have workspace sizes of their own
+        rows = ops[n].shape[0] - 1  # num_seqs
+        shape = (seqlen, rows, heads, headdim, dstate, groups, cfg.chunk_size, code)
+        sizer = "xla_ssm_ssd_packed_{}_workspace_bytes"
+    else:
+        rows = batch
+        shape = (batch, seqlen, heads, headdim, dstate, groups, cfg.chunk_size, code)
+        sizer = "xla_ssm_ssd_{}_workspace_bytes"
+    state = jax.ShapeDtypeStruct((rows, heads, headdim, dstate), _F32)
     n_chunks = -(-seqlen // cfg.chunk_size)
     if call.kind == "fwd":
         results = [jax.ShapeDtypeStruct(x.shape, x.dtype), state]
@@ -127,11 +143,10 @@ def _raw(call: _Call, *ops):
             # and shard (it depends on headdim, dstate, chunk_size and the dtype only).
             chunk_dtype = _FLOATS[lib.xla_ssm_ssd_chunk_states_dtype(headdim, dstate, cfg.chunk_size, code)]
             results.append(jax.ShapeDtypeStruct((batch, heads, headdim, n_chunks, dstate), chunk_dtype))
-        ws = _lib.workspace_bytes("xla_ssm_ssd_fwd_workspace_bytes", *shape)
+        ws = _lib.workspace_bytes(sizer.format("fwd"), *shape)
         return _ffi(FWD, results, ws, ops, _attrs(call))
-    n = len(_param_roles(cfg))
     results = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in ops[:n]]  # gradients: primal shapes and dtypes
-    ws = _lib.workspace_bytes("xla_ssm_ssd_bwd_workspace_bytes", *shape)
+    ws = _lib.workspace_bytes(sizer.format("bwd"), *shape)
     return _ffi(BWD, results, ws, ops, _attrs(call))
 
 
@@ -144,9 +159,10 @@ def _shard_plan(call: _Call, mesh, arg_shapes):
 
 def _spec(call: _Call, role, plan):
     b, h, g = (a or None for a in plan)
+    sb = None if call.cfg.packed else b  # packed: the state rows are sequences, never split
     return {
         "x": P(b, None, h, None), "dt": P(b, None, h), "bc": P(b, None, g, None), "param": P(h),
-        "state": P(b, h, None, None), "chunk": P(b, h, None, None, None),
+        "state": P(sb, h, None, None), "chunk": P(b, h, None, None, None), "cu": P(None),
     }[role]  # fmt: skip
 
 
@@ -165,11 +181,16 @@ _LETTERS = {"x": "b l h p", "dt": "b l h", "bc": "b l g n", "param": "h p", "sta
 
 
 def _factors(call: _Call, role, ndim):
+    if role == "cu":
+        return "c"
+    if role == "state" and call.cfg.packed:  # rows are sequences, not batch entries
+        return "s h p n"
     return " ".join(_LETTERS[role].split()[:ndim])
 
 
-# Batch and heads (groups) pass through; seqlen, headdim, dstate and the chunk axis must not be sharded.
-_pcall = partitioned(_raw, _in_roles, _out_roles, _shard_plan, _spec, _psum_axes, _factors, "lpnk")
+# Batch and heads (groups) pass through; seqlen, headdim, dstate, the chunk axis, and packed
+# sequences' rows and boundaries must not be sharded.
+_pcall = partitioned(_raw, _in_roles, _out_roles, _shard_plan, _spec, _psum_axes, _factors, "lpnkcs")
 
 
 # ----------------------------------------------------------------------------------- vmap
@@ -190,7 +211,17 @@ def _vmap_rule(call: _Call, f, axis_size, in_batched, *ops):
     become k*heads heads, each with its own copy of the parameters, so the backward's per-head
     gradient sums stay per example (what vmap of a gradient means) and mapped parameters need no
     loop. Head j of example i is head i*heads + j and reads group i*groups + j // (heads/groups):
-    the groups fold the same way."""
+    the groups fold the same way. Packed calls (batch 1, boundaries of their own) run one example
+    at a time."""
+    if call.cfg.packed:
+        mapped = tuple(x for x, b in zip(ops, in_batched) if b)
+
+        def one(xs):
+            it = iter(xs)
+            return f(*(next(it) if b else x for x, b in zip(ops, in_batched)))
+
+        res = jax.lax.map(one, mapped)
+        return tuple(res), (True,) * len(res)
     return fold_vmap(
         f, axis_size, _in_roles(call), _out_roles(call), ops, in_batched, _PER_EXAMPLE, call.kind == "fwd",
         _HEAD_AXIS.__getitem__,
@@ -215,8 +246,10 @@ def _ssd_bwd(cfg: _Cfg, res, cts):
     args = [*ops, chunk_states, dy.astype(ops[0].dtype)]
     if cfg.return_final_states:  # else the caller never saw final_states: its cotangent is zero
         args.append(dfinal_states.astype(_F32))
-    grads = _vcall(_Call("bwd", cfg, has_dfinal_states=cfg.return_final_states), *args)
-    return (tuple(grads),)
+    grads = tuple(_vcall(_Call("bwd", cfg, has_dfinal_states=cfg.return_final_states), *args))
+    if cfg.packed:  # the boundaries are integers: no gradient
+        grads += (np.zeros(ops[-1].shape, jax.dtypes.float0),)
+    return (grads,)
 
 
 _ssd.defvjp(_ssd_fwd, _ssd_bwd)
@@ -229,8 +262,9 @@ def _effective_limit(dt_min, dt_max):
     return (-math.inf, math.inf) if (dt_min, dt_max) == (0.0, math.inf) else (dt_min, dt_max)
 
 
-def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states, final):
-    """Validate against docs/ssd.md; returns (d_rank, dt_min, dt_max)."""
+def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states, final, num_seqs=None):
+    """Validate against docs/ssd.md (num_seqs: packed sequences' count, whose states are per
+    sequence); returns (d_rank, dt_min, dt_max)."""
     for name, v in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
         if not hasattr(v, "shape") or not hasattr(v, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(v).__name__}")
@@ -293,9 +327,37 @@ def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, ini
     if dt_bias is not None:
         expect("dt_bias", dt_bias, (heads,), False, "(heads,)")
     if initial_states is not None:
-        state = (batch, heads, headdim, dstate)
-        expect("initial_states", initial_states, state, False, "(batch, heads, headdim, dstate)")
+        if num_seqs is None:
+            state, meaning = (batch, heads, headdim, dstate), "(batch, heads, headdim, dstate)"
+        else:
+            state, meaning = (num_seqs, heads, headdim, dstate), "(num_seqs, heads, headdim, dstate)"
+        expect("initial_states", initial_states, state, False, meaning)
     return d_rank, dt_min, dt_max
+
+
+def _check_cu_seqlens(cu_seqlens, x):
+    """cu_seqlens as an int32 array, checked against x (batch 1); its values too when they are
+    concrete (not traced)."""
+    if not hasattr(cu_seqlens, "shape"):
+        cu_seqlens = np.asarray(cu_seqlens)
+    if x.ndim != 4 or x.shape[0] != 1:
+        raise ValueError(
+            f"cu_seqlens packs sequences along seqlen of one batch row: x must be (1, seqlen, heads, headdim), "
+            f"got shape {tuple(x.shape)}"
+        )
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 1 or not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+        raise ValueError(
+            "cu_seqlens must be a rank-1 integer array (num_seqs + 1,), "
+            f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
+    seqlen = x.shape[1]
+    if not isinstance(cu_seqlens, jax.core.Tracer):
+        v = np.asarray(cu_seqlens)
+        if v[0] != 0 or v[-1] != seqlen or np.any(np.diff(v) < 0):
+            raise ValueError(
+                f"cu_seqlens must start at 0, never decrease and end at seqlen (= {seqlen}), got {v.tolist()}"
+            )
+    return jnp.asarray(cu_seqlens, jnp.int32)
 
 
 def ssd(
@@ -312,6 +374,7 @@ def ssd(
     dt_limit=(0.0, float("inf")),
     initial_states=None,
     return_final_states=False,
+    cu_seqlens=None,
 ):
     """Mamba-2's chunked SSD scan (docs/ssd.md) through libxla_ssm, differentiable.
 
@@ -329,10 +392,25 @@ def ssd(
     entering each chunk, the backward recomputes within chunks), batchable with jax.vmap (A, D and
     dt_bias may be mapped too), and under jax.jit with inputs sharded over batch and/or heads it
     runs on the shards without gathering them (docs/ssd.md, "Sharding").
+
+    cu_seqlens: int32 (num_seqs + 1,), sequences packed along seqlen of a batch-1 x (docs/ssd.md,
+    "Packed sequences"): boundaries 0 = cu[0] <= cu[1] <= ... <= cu[-1] = seqlen. The state resets
+    at each boundary, to initial_states[s] ((num_seqs, heads, headdim, dstate)) or zeros; the final
+    states are then (num_seqs, heads, headdim, dstate), and no gradient crosses a boundary. Concrete
+    boundaries are checked here (ValueError); traced ones are checked by the CPU target, while on
+    CUDA invalid ones give undefined (but memory-safe) results. Not differentiable; under jax.vmap
+    packed calls run one example at a time.
     """
     x, dt, A, B, C, D, z, dt_bias, initial_states = _as_arrays(x, dt, A, B, C, D, z, dt_bias, initial_states)
+    num_seqs = None
+    if cu_seqlens is not None:
+        for name, v in (("x", x), ("B", B)):
+            if not hasattr(v, "shape") or not hasattr(v, "dtype"):
+                raise TypeError(f"{name} must be an array, got {type(v).__name__}")
+        cu_seqlens = _check_cu_seqlens(cu_seqlens, x)
+        num_seqs = cu_seqlens.shape[0] - 1
     d_rank, dt_min, dt_max = _check(
-        x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states, return_final_states
+        x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states, return_final_states, num_seqs
     )
     cfg = _Cfg(
         chunk_size=int(chunk_size),
@@ -344,8 +422,9 @@ def ssd(
         has_dt_bias=dt_bias is not None,
         has_initial_states=initial_states is not None,
         return_final_states=bool(return_final_states),
+        packed=cu_seqlens is not None,
     )
-    ops = tuple(v for v in (x, dt, A, B, C, D, z, dt_bias, initial_states) if v is not None)
+    ops = tuple(v for v in (x, dt, A, B, C, D, z, dt_bias, initial_states, cu_seqlens) if v is not None)
     y, final_states = _ssd(cfg, ops)
     return (y, final_states) if return_final_states else y
 
@@ -364,10 +443,17 @@ def ssd_ref(
     dt_limit=(0.0, float("inf")),
     initial_states=None,
     return_final_states=False,
+    cu_seqlens=None,
 ):
     """Pure-JAX reference of `ssd` (the plain recurrence, `jax.lax.scan` over seqlen), same
     signature and results (`chunk_size` only fixes the kernel's residuals: unused here). Arithmetic
-    in float32 (float64 if every input is float64 and x64 is on); y is cast to x's dtype."""
+    in float32 (float64 if every input is float64 and x64 is on); y is cast to x's dtype. With
+    cu_seqlens (concrete values only) it runs each sequence on its own and puts them together."""
+    if cu_seqlens is not None:
+        return _ssd_ref_packed(
+            x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states, return_final_states,
+            cu_seqlens,
+        )  # fmt: skip
     x, dt, A, B, C, D, z, dt_bias, initial_states = _as_arrays(x, dt, A, B, C, D, z, dt_bias, initial_states)
     acc = jnp.promote_types(jnp.float32, jnp.result_type(x, dt, A, B, C))
     out_dtype = x.dtype
@@ -404,3 +490,28 @@ def ssd_ref(
         y = y * (z * jax.nn.sigmoid(z))
     y = y.astype(out_dtype)
     return (y, s) if return_final_states else y
+
+
+def _ssd_ref_packed(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, h0, final, cu_seqlens):
+    """`ssd_ref` over packed sequences: one call per sequence (x[:, cu[s]:cu[s+1]], its initial
+    state row), y put back together along seqlen and the final states stacked."""
+    if isinstance(cu_seqlens, jax.core.Tracer):
+        raise ValueError("ssd_ref: cu_seqlens must be concrete (it loops over the sequences in Python)")
+    cu = np.asarray(cu_seqlens).tolist()
+    x, dt, A, B, C, D, z, dt_bias, h0 = _as_arrays(x, dt, A, B, C, D, z, dt_bias, h0)
+    heads, headdim, dstate = x.shape[2], x.shape[3], B.shape[3]
+    ys, finals = [], []
+    for s in range(len(cu) - 1):
+        lo, hi = cu[s], cu[s + 1]
+        part = lambda v: None if v is None else v[:, lo:hi]  # noqa: E731
+        row = None if h0 is None else h0[s : s + 1]
+        y, last = ssd_ref(
+            x[:, lo:hi], part(dt), A, B[:, lo:hi], part(C), chunk_size, D, part(z), dt_bias, dt_softplus, dt_limit,
+            row, True,
+        )  # fmt: skip
+        ys.append(y)
+        finals.append(last)
+    y = jnp.concatenate(ys, axis=1) if ys else jnp.zeros(x.shape, x.dtype)
+    acc = jnp.float32 if not finals else finals[0].dtype
+    s = jnp.concatenate(finals, axis=0) if finals else jnp.zeros((0, heads, headdim, dstate), acc)
+    return (y, s) if final else y

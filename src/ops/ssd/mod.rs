@@ -10,9 +10,16 @@
 //! the layouts of the scan's u, B, C, z, out and states (channel h * headdim + p reads group
 //! h / (heads / groups), as the scan's dim_per_group = (heads / groups) * headdim says), and
 //! chunk_states are its checkpoints with checkpoint_len = chunk_size (f32; where
-//! [`plan::chunk_states_dtype`] says T, the CPU target converts). Only dt (broadcast over
-//! headdim into the scan's delta) and the per-head A, D and dt_bias are expanded to channels, in
-//! scratch ([`Scratch`]), and the scan's per-channel gradients of those summed back to heads.
+//! [`plan::chunk_states_dtype`] says T, the targets convert: the CPU always, CUDA for packed
+//! calls). Only dt (broadcast over headdim into the scan's delta) and the per-head A, D and dt_bias
+//! are expanded to channels, in scratch ([`Scratch`]), and the scan's per-channel gradients of those
+//! summed back to heads.
+//!
+//! Packed sequences (`cu_seqlens`) pass through to the scan unchanged: its per-sequence states
+//! (num_seqs, dim, dstate) are SSD's (num_seqs, heads, headdim, dstate), its reset rule is SSD's,
+//! and its checkpoints keep the meaning of chunk_states (the state entering step c * chunk_size,
+//! before a boundary there resets it). On CUDA packed calls always take this path (the tensor-core
+//! kernels do not reset the state at boundaries).
 
 use super::buffers::{check_buffers, Named};
 use super::selective_scan;
@@ -32,7 +39,7 @@ pub const MAX_DSTATE: i64 = selective_scan::MAX_DSTATE;
 /// Kernel parameters of the forward; generated into kernels/params.h. All arrays dense row-major; T is
 /// the element type of x, dt, B, C, z, y (and of dx, ddt, dB, dC, dz). Absent optional operands and
 /// results are null.
-/// cbindgen:field-names=[x, dt, A, B, C, D, z, dt_bias, initial_states, y, final_states, chunk_states, workspace, workspace_bytes, batch, seqlen, heads, headdim, dstate, groups, chunk_size, dt_min, dt_max, dt_softplus, D_per_channel]
+/// cbindgen:field-names=[x, dt, A, B, C, D, z, dt_bias, initial_states, y, final_states, chunk_states, workspace, workspace_bytes, batch, seqlen, heads, headdim, dstate, groups, chunk_size, dt_min, dt_max, dt_softplus, D_per_channel, cu_seqlens, num_seqs]
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct SsdParams {
@@ -52,11 +59,11 @@ pub struct SsdParams {
     pub z: *const c_void,
     /// (heads).
     pub dt_bias: *const f32,
-    /// (batch, heads, headdim, dstate).
+    /// (batch, heads, headdim, dstate); (num_seqs, heads, headdim, dstate) with packed sequences.
     pub initial_states: *const f32,
     /// (batch, seqlen, heads, headdim) T.
     pub y: *mut c_void,
-    /// (batch, heads, headdim, dstate).
+    /// Like initial_states.
     pub final_states: *mut f32,
     /// (batch, heads, headdim, n_chunks, dstate): the state entering each chunk (chunk 0: the initial
     /// state), of [`plan::chunk_states_dtype`] (T in the tensor-core kernels, f32 in the generic
@@ -79,6 +86,10 @@ pub struct SsdParams {
     pub dt_softplus: i32,
     /// D is (heads, headdim) rather than (heads).
     pub d_per_channel: i32,
+    /// Packed sequences (docs/ssd.md): null, or int32 (num_seqs + 1) boundaries along seqlen of a
+    /// batch-1 input; the state resets at each one, and the states are per sequence.
+    pub cu_seqlens: *const i32,
+    pub num_seqs: i64,
 }
 
 /// Kernel parameters of the backward; generated into kernels/params.h. The forward's (y and
@@ -106,7 +117,7 @@ pub struct SsdBwdParams {
 /// Parameters of the generic CUDA path's glue kernels (kernels/ssd_glue.cu), which expand per-head
 /// operands to the selective scan's channels and fold its gradients back; generated into
 /// kernels/params.h as `SsdGlueParams`. The arrays live in the workspace (`Scratch`).
-/// cbindgen:field-names=[q, delta, A, D, dt_bias, ddelta, dA, dD, ddelta_bias, ddt_f32, transformed, _reserved]
+/// cbindgen:field-names=[q, delta, A, D, dt_bias, ddelta, dA, dD, ddelta_bias, ddt_f32, transformed, _reserved, chunk_states_f32]
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct GlueParams {
@@ -133,6 +144,10 @@ pub struct GlueParams {
     /// delta holds the final dt (bias, softplus and clamp applied; rounded to T) instead of the raw dt.
     pub transformed: i32,
     pub _reserved: i32,
+    /// Where chunk_states are in T (packed calls at the tensor-core shapes): the scan's f32
+    /// checkpoints, (batch, dim, n_chunks, dstate), rounded into chunk_states after the forward and
+    /// widened from them before the backward; else null.
+    pub chunk_states_f32: *mut f32,
 }
 
 /// A launch of the tensor-core forward (kernels/ssd_fwd.cu): the call's parameters and the sequence
@@ -216,6 +231,29 @@ impl SsdBwdParams {
 }
 
 impl SsdParams {
+    /// Whether the call packs sequences (`cu_seqlens`).
+    pub fn packed(&self) -> bool {
+        !self.cu_seqlens.is_null()
+    }
+
+    /// Rows of the states: batch, or num_seqs with packed sequences.
+    pub fn state_rows(&self) -> i64 {
+        if self.packed() {
+            self.num_seqs
+        } else {
+            self.batch
+        }
+    }
+
+    /// The packed sequences' boundaries (num_seqs + 1), when there are some.
+    ///
+    /// # Safety
+    /// The parameters are validated and `cu_seqlens` is host memory (the CPU platform).
+    pub unsafe fn host_cu_seqlens(&self) -> Option<&[i32]> {
+        // SAFETY: per the contract, num_seqs + 1 readable i32s.
+        self.packed().then(|| unsafe { std::slice::from_raw_parts(self.cu_seqlens, self.num_seqs as usize + 1) })
+    }
+
     /// Channels of the equivalent selective scan.
     pub fn dim(&self) -> i64 {
         self.heads * self.headdim
@@ -278,7 +316,10 @@ pub struct Inputs<'a> {
     pub d: Option<&'a Tensor>,
     pub z: Option<&'a Tensor>,
     pub dt_bias: Option<&'a Tensor>,
+    /// (batch, heads, headdim, dstate); (num_seqs, heads, headdim, dstate) with `cu_seqlens`.
     pub initial_states: Option<&'a Tensor>,
+    /// Packed sequences: int32 (num_seqs + 1) boundaries along seqlen of a batch-1 input.
+    pub cu_seqlens: Option<&'a Tensor>,
     pub chunk_size: i64,
     pub dt_softplus: bool,
     pub dt_min: f32,
@@ -298,6 +339,7 @@ impl<'a> Inputs<'a> {
             ("z", self.z),
             ("dt_bias", self.dt_bias),
             ("initial_states", self.initial_states),
+            ("cu_seqlens", self.cu_seqlens),
         ]
     }
 }
@@ -411,6 +453,7 @@ const X_MEANING: &str = "[batch, seqlen, heads, headdim]";
 const DT_MEANING: &str = "[batch, seqlen, heads]";
 const BC_MEANING: &str = "[batch, seqlen, groups, dstate]";
 const STATES_MEANING: &str = "[batch, heads, headdim, dstate]";
+const PACKED_STATES_MEANING: &str = "[num_seqs, heads, headdim, dstate] (packed sequences)";
 const CHUNK_STATES_MEANING: &str = "[batch, heads, headdim, n_chunks, dstate]";
 
 fn opt_ptr(t: Option<&Tensor>) -> *const c_void {
@@ -435,6 +478,8 @@ struct Checked {
     bc_dims: Vec<i64>,
     d_dims: Vec<i64>,
     state_dims: Vec<i64>,
+    /// What state_dims mean (per batch entry, or per packed sequence).
+    state_meaning: &'static str,
     chunk_dims: Vec<i64>,
 }
 
@@ -457,6 +502,26 @@ fn validate_dt_limits(op: &str, dt_min: f32, dt_max: f32) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// `cu_seqlens` of a packed call: int32 (num_seqs + 1,) with x's batch 1. Returns num_seqs. (Its
+/// values are checked where the host can read them: [`selective_scan::check_cu_seqlens_values`].)
+fn check_cu_seqlens(op: &str, cu: &Tensor, batch: i64) -> Result<i64> {
+    let what = format!("{op}: operand `cu_seqlens`");
+    check_elements(&what, &cu.dims)?;
+    expect_dtype(cu, &what, &[DType::S32])?;
+    if cu.dims.len() != 1 || cu.dims[0] < 1 {
+        return Err(Error::invalid(format!(
+            "{what}: expected shape (num_seqs + 1,) [boundaries], got {}",
+            fmt_dims(&cu.dims)
+        )));
+    }
+    if batch != 1 {
+        return Err(Error::invalid(format!(
+            "{what}: packed sequences lie along seqlen of one batch row: x's batch must be 1, got {batch}"
+        )));
+    }
+    Ok(cu.dims[0] - 1)
 }
 
 /// Checks every input against x's shape and dtype (the checks both calls share).
@@ -518,11 +583,18 @@ fn validate_inputs(op: &str, i: &Inputs) -> Result<Checked> {
     if let Some(bias) = i.dt_bias {
         expect(bias, &format!("{op}: operand `dt_bias`"), &[heads], "[heads]", &[DType::F32])?;
     }
-    let state_dims = vec![batch, heads, headdim, dstate];
+    let (state_rows, state_meaning, num_seqs) = match i.cu_seqlens {
+        None => (batch, STATES_MEANING, 0),
+        Some(cu) => {
+            let num_seqs = check_cu_seqlens(op, cu, batch)?;
+            (num_seqs, PACKED_STATES_MEANING, num_seqs)
+        }
+    };
+    let state_dims = vec![state_rows, heads, headdim, dstate];
     if let Some(h0) = i.initial_states {
-        expect(h0, &format!("{op}: operand `initial_states`"), &state_dims, STATES_MEANING, &[DType::F32])?;
+        expect(h0, &format!("{op}: operand `initial_states`"), &state_dims, state_meaning, &[DType::F32])?;
     }
-    let named: [(Option<&Tensor>, &str); 9] = [
+    let named: [(Option<&Tensor>, &str); 10] = [
         (Some(x), "x"),
         (Some(i.dt), "dt"),
         (Some(i.a), "A"),
@@ -532,6 +604,7 @@ fn validate_inputs(op: &str, i: &Inputs) -> Result<Checked> {
         (i.z, "z"),
         (i.dt_bias, "dt_bias"),
         (i.initial_states, "initial_states"),
+        (i.cu_seqlens, "cu_seqlens"),
     ];
     expect_nonnull_all(op, "operand", &named)?;
 
@@ -561,6 +634,8 @@ fn validate_inputs(op: &str, i: &Inputs) -> Result<Checked> {
         dt_max: i.dt_max,
         dt_softplus: i.dt_softplus as i32,
         d_per_channel: (d_dims.len() == 2) as i32,
+        cu_seqlens: opt_ptr(i.cu_seqlens) as *const i32,
+        num_seqs,
     };
     let present = Present {
         d: i.d.is_some(),
@@ -569,7 +644,18 @@ fn validate_inputs(op: &str, i: &Inputs) -> Result<Checked> {
         initial_states: i.initial_states.is_some(),
     };
     let chunk_dims = vec![batch, heads, headdim, n_chunks(seqlen, i.chunk_size), dstate];
-    Ok(Checked { params, dtype, present, x_dims: x.dims.clone(), dt_dims, bc_dims, d_dims, state_dims, chunk_dims })
+    Ok(Checked {
+        params,
+        dtype,
+        present,
+        x_dims: x.dims.clone(),
+        dt_dims,
+        bc_dims,
+        d_dims,
+        state_dims,
+        state_meaning,
+        chunk_dims,
+    })
 }
 
 /// Each named tensor that is present has data (or is empty).
@@ -607,7 +693,7 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Ssd> {
     let k = validate_inputs(op, &args.inputs)?;
     expect(args.y, &format!("{op}: result `y`"), &k.x_dims, X_MEANING, &[k.dtype])?;
     let what = format!("{op}: result `final_states`");
-    expect(args.final_states, &what, &k.state_dims, STATES_MEANING, &[DType::F32])?;
+    expect(args.final_states, &what, &k.state_dims, k.state_meaning, &[DType::F32])?;
     if let Some(t) = args.chunk_states {
         expect_chunk_states(op, "result", t, &k)?;
     }
@@ -641,7 +727,7 @@ pub fn validate_bwd(args: &BwdArgs) -> Result<SsdBwd> {
     expect_chunk_states(op, "operand", args.chunk_states, &k)?;
     expect(args.dy, &format!("{op}: operand `dy`"), &k.x_dims, X_MEANING, &[k.dtype])?;
     if let Some(t) = args.dfinal_states {
-        expect(t, &format!("{op}: operand `dfinal_states`"), &k.state_dims, STATES_MEANING, &[f32_])?;
+        expect(t, &format!("{op}: operand `dfinal_states`"), &k.state_dims, k.state_meaning, &[f32_])?;
     }
     expect(args.dx, &format!("{op}: result `dx`"), &k.x_dims, X_MEANING, &[k.dtype])?;
     expect(args.ddt, &format!("{op}: result `ddt`"), &k.dt_dims, DT_MEANING, &[k.dtype])?;
@@ -662,7 +748,7 @@ pub fn validate_bwd(args: &BwdArgs) -> Result<SsdBwd> {
             "initial_states",
             "dinitial_states",
             &k.state_dims,
-            STATES_MEANING,
+            k.state_meaning,
             f32_,
         ),
     ];
@@ -744,7 +830,13 @@ pub fn validate_bwd(args: &BwdArgs) -> Result<SsdBwd> {
 /// Runs a validated forward call.
 pub fn run_fwd(ssd: &Ssd, platform: Platform) -> Result<()> {
     match platform {
-        Platform::Cpu => crate::cpu::ssd::fwd(ssd),
+        Platform::Cpu => {
+            // SAFETY: validated, and on the CPU platform every buffer is host memory.
+            if let Some(cu) = unsafe { ssd.params.host_cu_seqlens() } {
+                selective_scan::check_cu_seqlens_values("ssd_fwd", cu, ssd.params.seqlen)?;
+            }
+            crate::cpu::ssd::fwd(ssd)
+        }
         #[cfg(feature = "cuda")]
         Platform::Cuda { stream } => crate::cuda::ssd::fwd(ssd, stream),
         #[cfg(not(feature = "cuda"))]
@@ -755,7 +847,13 @@ pub fn run_fwd(ssd: &Ssd, platform: Platform) -> Result<()> {
 /// Runs a validated backward call.
 pub fn run_bwd(bwd: &SsdBwd, platform: Platform) -> Result<()> {
     match platform {
-        Platform::Cpu => crate::cpu::ssd::bwd(bwd),
+        Platform::Cpu => {
+            // SAFETY: validated, and on the CPU platform every buffer is host memory.
+            if let Some(cu) = unsafe { bwd.params.fwd.host_cu_seqlens() } {
+                selective_scan::check_cu_seqlens_values("ssd_bwd", cu, bwd.params.fwd.seqlen)?;
+            }
+            crate::cpu::ssd::bwd(bwd)
+        }
         #[cfg(feature = "cuda")]
         Platform::Cuda { stream } => crate::cuda::ssd::bwd(bwd, stream),
         #[cfg(not(feature = "cuda"))]
@@ -825,6 +923,7 @@ struct ScanView {
     z: Option<Tensor>,
     delta_bias: Option<Tensor>,
     initial_state: Option<Tensor>,
+    cu_seqlens: Option<Tensor>,
     softplus: bool,
     x_dims: Vec<i64>,
     state_dims: Vec<i64>,
@@ -842,7 +941,8 @@ impl ScanView {
         let dim = p.dim();
         let x_dims = vec![p.batch, p.seqlen, dim];
         let bc_dims = [p.batch, p.seqlen, p.groups, p.dstate];
-        let state_dims = vec![p.batch, dim, p.dstate];
+        // Packed: one state row per sequence, as in the scan.
+        let state_dims = vec![p.state_rows(), dim, p.dstate];
         let per_channel = vec![dim];
         let d_data = if ssd.expands_d() { s.d as *const c_void } else { p.d as *const c_void };
         ScanView {
@@ -858,6 +958,7 @@ impl ScanView {
                 .present
                 .initial_states
                 .then(|| tensor(f32_, &state_dims, p.initial_states as *const c_void)),
+            cu_seqlens: p.packed().then(|| tensor(DType::S32, &[p.num_seqs + 1], p.cu_seqlens as *const c_void)),
             softplus: p.dt_softplus != 0 && !ssd.transformed(),
             x_dims,
             state_dims,
@@ -876,7 +977,7 @@ impl ScanView {
             z: self.z.as_ref(),
             delta_bias: self.delta_bias.as_ref(),
             initial_state: self.initial_state.as_ref(),
-            cu_seqlens: None,
+            cu_seqlens: self.cu_seqlens.as_ref(),
             delta_softplus: self.softplus,
             layout: selective_scan::Layout::ChannelLast,
         }

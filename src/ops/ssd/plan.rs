@@ -1,8 +1,10 @@
 //! The workspace of the CUDA generic path: which scratch arrays it holds, where, and how many bytes
 //! a host passes. Not behind the `cuda` feature: hosts size the workspace (C API, JAX) without it.
 //! Sizes depend on the shape and the element size only (every optional array is reserved), so a
-//! host can size the workspace before it knows the flags or the device.
+//! host can size the workspace before it knows the flags or the device; packed calls (`cu_seqlens`),
+//! which take the generic path at every shape, have sizes of their own (`packed_*_workspace_bytes`).
 
+use super::n_chunks;
 use crate::ops::selective_scan;
 use crate::DType;
 
@@ -55,6 +57,9 @@ pub struct Layout {
     /// The selective scan's workspace, `scan_bytes` long.
     pub scan: i64,
     pub scan_bytes: i64,
+    /// (batch, dim, n_chunks, dstate) f32: the scan's checkpoints where chunk_states are in T
+    /// (packed calls at the tensor-core shapes); empty elsewhere.
+    pub chunk_states_f32: i64,
     pub bytes: i64,
 }
 
@@ -82,9 +87,29 @@ impl Carver {
     }
 }
 
+/// Bytes of the f32 copy of chunk_states the generic path needs where they are in T (where the
+/// tensor-core kernels apply: only packed calls take the generic path there), else 0.
+fn chunk_states_f32_bytes(s: &Shape) -> i64 {
+    if mma_applies(s) {
+        s.batch * s.dim() * n_chunks(s.seqlen, s.chunk_size) * s.dstate * 4
+    } else {
+        0
+    }
+}
+
 /// The forward's scratch: delta, A, D and dt_bias per channel, then the scan's optional workspace
 /// (its sequence split).
 pub fn fwd_layout(s: &Shape) -> Layout {
+    generic_fwd_layout(s, 0)
+}
+
+/// The forward's scratch for a packed call (the generic path at every shape): [`fwd_layout`] plus
+/// the scan's f32 checkpoints where chunk_states are in T.
+pub fn packed_fwd_layout(s: &Shape) -> Layout {
+    generic_fwd_layout(s, chunk_states_f32_bytes(s))
+}
+
+fn generic_fwd_layout(s: &Shape, chunk_states_f32_bytes: i64) -> Layout {
     let (dim, rows) = (s.dim(), s.batch * s.seqlen);
     let mut c = Carver::default();
     let delta = c.take(rows * dim * s.elem_bytes);
@@ -93,12 +118,23 @@ pub fn fwd_layout(s: &Shape) -> Layout {
     let dt_bias = c.take(dim * 4);
     let scan_bytes = selective_scan::workspace_bytes(s.batch, dim, s.seqlen, s.dstate);
     let scan = c.take(scan_bytes);
-    Layout { delta, a, d, dt_bias, scan, scan_bytes, bytes: c.total(), ..Layout::default() }
+    let chunk_states_f32 = c.take(chunk_states_f32_bytes);
+    Layout { delta, a, d, dt_bias, scan, scan_bytes, chunk_states_f32, bytes: c.total(), ..Layout::default() }
 }
 
 /// The backward's scratch: the forward's per-channel inputs, the scan's per-channel gradients of
 /// them, ddt in f32 (for ddt_bias), then the scan backward's workspace.
 pub fn bwd_layout(s: &Shape) -> Layout {
+    generic_bwd_layout(s, 0)
+}
+
+/// The backward's scratch for a packed call: [`bwd_layout`] plus chunk_states widened to f32 where
+/// they are in T.
+pub fn packed_bwd_layout(s: &Shape) -> Layout {
+    generic_bwd_layout(s, chunk_states_f32_bytes(s))
+}
+
+fn generic_bwd_layout(s: &Shape, chunk_states_f32_bytes: i64) -> Layout {
     let (dim, rows) = (s.dim(), s.batch * s.seqlen);
     let mut c = Carver::default();
     let delta = c.take(rows * dim * s.elem_bytes);
@@ -112,7 +148,22 @@ pub fn bwd_layout(s: &Shape) -> Layout {
     let ddt_f32 = c.take(rows * s.heads * 4);
     let scan_bytes = selective_scan::bwd_workspace_bytes(s.batch, dim, s.seqlen, s.dstate, s.groups);
     let scan = c.take(scan_bytes);
-    Layout { delta, a, d, dt_bias, ddelta, da, dd, ddelta_bias, ddt_f32, scan, scan_bytes, bytes: c.total() }
+    let chunk_states_f32 = c.take(chunk_states_f32_bytes);
+    Layout {
+        delta,
+        a,
+        d,
+        dt_bias,
+        ddelta,
+        da,
+        dd,
+        ddelta_bias,
+        ddt_f32,
+        scan,
+        scan_bytes,
+        chunk_states_f32,
+        bytes: c.total(),
+    }
 }
 
 /// Sizes a shape can be asked about: non-negative, groups dividing heads (else: no workspace, and
@@ -135,6 +186,17 @@ pub fn fwd_workspace_bytes(s: &Shape) -> i64 {
 /// without z), else the generic path's, which is far larger (its selective scan's per-channel scratch).
 pub fn bwd_workspace_bytes(s: &Shape) -> i64 {
     sane(s).map_or(0, |s| if mma_applies(&s) { mma_bwd_layout(&s).bytes } else { bwd_layout(&s).bytes })
+}
+
+/// Bytes of workspace the CUDA forward needs for a packed call (batch 1): the generic path's, which
+/// packed calls take at every shape.
+pub fn packed_fwd_workspace_bytes(s: &Shape) -> i64 {
+    sane(s).map_or(0, |s| packed_fwd_layout(&s).bytes)
+}
+
+/// Bytes of workspace the CUDA backward needs for a packed call (batch 1).
+pub fn packed_bwd_workspace_bytes(s: &Shape) -> i64 {
+    sane(s).map_or(0, |s| packed_bwd_layout(&s).bytes)
 }
 
 /// Steps per tile of the tensor-core forward (kernels/ssd_fwd.cu).

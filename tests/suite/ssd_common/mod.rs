@@ -240,6 +240,8 @@ pub struct SsdProblem {
     pub h0: Option<Vec<f32>>,
     pub dy: Vec<f32>,
     pub dfinal: Option<Vec<f32>>,
+    /// Packed sequences (batch 1): the boundaries; h0 and dfinal then have a row per sequence.
+    pub cu: Option<Vec<i32>>,
 }
 
 fn up(v: &[f32]) -> Vec<f64> {
@@ -272,7 +274,57 @@ impl SsdProblem {
         let h0 = case.has_initial_states.then(|| normal(&mut rng, case.state_len(), Dt::F32));
         let dy = normal(&mut rng, case.x_len(), t);
         let dfinal = with_dfinal.then(|| normal(&mut rng, case.state_len(), Dt::F32));
-        SsdProblem { case: case.clone(), x, dt, a, b, c, d, z, dt_bias, h0, dy, dfinal }
+        SsdProblem { case: case.clone(), x, dt, a, b, c, d, z, dt_bias, h0, dy, dfinal, cu: None }
+    }
+
+    /// A packed problem: sequences of these lengths along seqlen of one batch row (the case's batch
+    /// and seqlen are replaced), initial states and final-state cotangents per sequence.
+    pub fn packed(case: &SsdCase, lens: &[usize], with_dfinal: bool) -> SsdProblem {
+        let case = SsdCase { batch: 1, seqlen: lens.iter().sum(), ..case.clone() };
+        let mut p = SsdProblem::random(&case, with_dfinal);
+        let mut cu = vec![0i32];
+        for &l in lens {
+            cu.push(cu.last().unwrap() + l as i32);
+        }
+        let rows = lens.len() * case.heads * case.headdim * case.dstate;
+        let mut rng = Rng::new(case.seed ^ 0x9ac4_ed5e_0000 ^ lens.len() as u64);
+        let mut normal = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.normal() as f32).collect() };
+        p.h0 = case.has_initial_states.then(|| normal(rows));
+        p.dfinal = with_dfinal.then(|| normal(rows));
+        p.cu = Some(cu);
+        p
+    }
+
+    /// Sequences of a packed problem: (first step, length).
+    pub fn sequences(&self) -> Vec<(usize, usize)> {
+        let cu = self.cu.as_ref().expect("a packed problem");
+        cu.windows(2).map(|w| (w[0] as usize, (w[1] - w[0]) as usize)).collect()
+    }
+
+    /// Sequence `s` of a packed problem as an unpacked one (batch 1), its state rows included.
+    pub fn sequence(&self, s: usize) -> SsdProblem {
+        let (l0, len) = self.sequences()[s];
+        let c = &self.case;
+        let case = SsdCase { seqlen: len, ..c.clone() };
+        let steps = |v: &[f32], per_step: usize| v[l0 * per_step..(l0 + len) * per_step].to_vec();
+        let (xs, hs, bcs) = (c.heads * c.headdim, c.heads, c.groups * c.dstate);
+        let state = c.heads * c.headdim * c.dstate;
+        let row = |v: &Option<Vec<f32>>| v.as_ref().map(|v| v[s * state..(s + 1) * state].to_vec());
+        SsdProblem {
+            case,
+            x: steps(&self.x, xs),
+            dt: steps(&self.dt, hs),
+            a: self.a.clone(),
+            b: steps(&self.b, bcs),
+            c: steps(&self.c, bcs),
+            d: self.d.clone(),
+            z: self.z.as_ref().map(|z| steps(z, xs)),
+            dt_bias: self.dt_bias.clone(),
+            h0: row(&self.h0),
+            dy: steps(&self.dy, xs),
+            dfinal: row(&self.dfinal),
+            cu: None,
+        }
     }
 
     pub fn in64(&self) -> In64 {
@@ -316,12 +368,21 @@ impl SsdProblem {
         if let Some(v) = &self.h0 {
             ops.push(arr("initial_states", f, &self.state_dims(), v));
         }
+        if let Some(cu) = &self.cu {
+            let bytes = cu.iter().flat_map(|v| v.to_le_bytes()).collect();
+            ops.push(Arr { name: "cu_seqlens", dtype: xla::S32, dims: vec![cu.len() as i64], bytes });
+        }
         ops
+    }
+
+    /// Rows of the states: batch, or the packed sequences.
+    pub fn state_rows(&self) -> usize {
+        self.cu.as_ref().map_or(self.case.batch, |cu| cu.len() - 1)
     }
 
     pub fn state_dims(&self) -> Vec<usize> {
         let c = &self.case;
-        vec![c.batch, c.heads, c.headdim, c.dstate]
+        vec![self.state_rows(), c.heads, c.headdim, c.dstate]
     }
 
     pub fn chunk_dims(&self) -> Vec<usize> {
@@ -341,6 +402,9 @@ impl SsdProblem {
             ("dt_min", Attr::Scalar(xla::F32, c.dt_limit.0.to_le_bytes().to_vec())),
             ("dt_max", Attr::Scalar(xla::F32, c.dt_limit.1.to_le_bytes().to_vec())),
         ]
+        .into_iter()
+        .chain(self.cu.is_some().then_some(("has_cu_seqlens", Attr::Bool(true))))
+        .collect()
     }
 
     pub fn fwd_attrs(&self, save: bool) -> Vec<(&'static str, Attr)> {
@@ -385,6 +449,7 @@ impl SsdProblem {
     pub fn bwd_results(&self) -> Vec<Arr> {
         self.operands()
             .into_iter()
+            .filter(|o| o.name != "cu_seqlens") // integers: no gradient
             .map(|o| {
                 let name = GRADS.iter().find(|(primal, _)| *primal == o.name).unwrap().1;
                 let dt = [Dt::F32, Dt::BF16, Dt::F16].into_iter().find(|d| d.xla() == o.dtype).unwrap();
@@ -858,14 +923,116 @@ pub fn reference_bwd(case: &SsdCase, i: &In64, dy: &[f64], dfinal: Option<&[f64]
     g
 }
 
+/// The plain recurrence over packed sequences (batch 1): at each boundary the state passes to the
+/// ending sequence's final state and resets to the next one's initial state (or 0); chunk c's
+/// state is the one entering step c * chunk_size before that (0 at step 0).
+pub fn reference_packed(case: &SsdCase, i: &In64, cu: &[i32]) -> Fwd64 {
+    let (pd, ns) = (case.headdim, case.dstate);
+    let seqs = cu.len() - 1;
+    let state = case.heads * pd * ns;
+    let mut out = Fwd64 {
+        y: vec![0.0; case.x_len()],
+        final_states: vec![0.0; seqs * state],
+        chunk_states: vec![0.0; case.chunk_len()],
+    };
+    for h in 0..case.heads {
+        let g = case.group(h);
+        let mut s = vec![0f64; pd * ns];
+        for t in 0..=case.seqlen {
+            if t < case.seqlen && t % case.chunk_size == 0 {
+                for k in 0..pd * ns {
+                    out.chunk_states[case.ci(0, h, k / ns, t / case.chunk_size, k % ns)] = s[k];
+                }
+            }
+            for q in (0..=seqs).filter(|&q| cu[q] as usize == t) {
+                if q >= 1 {
+                    for k in 0..pd * ns {
+                        out.final_states[(q - 1) * state + (h * pd * ns) + k] = s[k];
+                    }
+                }
+                if q < seqs {
+                    for k in 0..pd * ns {
+                        s[k] = i.h0.as_ref().map_or(0.0, |v| v[q * state + h * pd * ns + k]);
+                    }
+                }
+            }
+            if t == case.seqlen {
+                break;
+            }
+            let (dt, _) = dt_eff(case, i, 0, t, h);
+            let decay = (dt * i.a[h]).exp();
+            for p in 0..pd {
+                let xv = i.x[case.xi(0, t, h, p)];
+                let mut acc = 0.0;
+                for n in 0..ns {
+                    let k = p * ns + n;
+                    s[k] = decay * s[k] + dt * xv * i.b[case.bci(0, t, g, n)];
+                    acc += s[k] * i.c[case.bci(0, t, g, n)];
+                }
+                out.y[case.xi(0, t, h, p)] = gate(case, i, 0, t, h, p, acc);
+            }
+        }
+    }
+    out
+}
+
 impl SsdProblem {
     pub fn reference(&self) -> Fwd64 {
-        reference_recurrence(&self.case, &self.in64())
+        match &self.cu {
+            Some(cu) => reference_packed(&self.case, &self.in64(), cu),
+            None => reference_recurrence(&self.case, &self.in64()),
+        }
     }
 
+    /// The gradients by the reverse recurrence; for a packed problem, each sequence's put together
+    /// (steps in place, per-sequence states in their rows, per-head parameters summed).
     pub fn reference_bwd(&self) -> Grads<f64> {
-        let dfinal = self.dfinal.as_deref().map(up);
-        reference_bwd(&self.case, &self.in64(), &up(&self.dy), dfinal.as_deref())
+        if self.cu.is_none() {
+            let dfinal = self.dfinal.as_deref().map(up);
+            return reference_bwd(&self.case, &self.in64(), &up(&self.dy), dfinal.as_deref());
+        }
+        let parts: Vec<Grads<f64>> = (0..self.sequences().len()).map(|s| self.sequence(s).reference_bwd()).collect();
+        self.stitch(&parts)
+    }
+
+    /// Per-sequence gradients (of [`SsdProblem::sequence`]s, in order) as the packed problem's.
+    pub fn stitch<E: Copy + Default + std::ops::AddAssign>(&self, parts: &[Grads<E>]) -> Grads<E> {
+        let c = &self.case;
+        let (xs, hs, bcs) = (c.heads * c.headdim, c.heads, c.groups * c.dstate);
+        let zeros = |n: usize| vec![E::default(); n];
+        let opt = |present: bool, n: usize| present.then(|| zeros(n));
+        let mut all = Grads {
+            dx: zeros(c.x_len()),
+            ddt: zeros(c.dt_len()),
+            da: zeros(c.heads),
+            db: zeros(c.bc_len()),
+            dc: zeros(c.bc_len()),
+            dd: opt(self.d.is_some(), c.d_len()),
+            dz: opt(self.z.is_some(), c.x_len()),
+            ddt_bias: opt(self.dt_bias.is_some(), c.heads),
+            dh0: opt(self.h0.is_some(), self.state_rows() * c.heads * c.headdim * c.dstate),
+        };
+        let place = |whole: &mut [E], part: &[E], at: usize| whole[at..at + part.len()].copy_from_slice(part);
+        let add = |whole: &mut [E], part: &[E]| whole.iter_mut().zip(part).for_each(|(w, &p)| *w += p);
+        for ((l0, _), (s, g)) in self.sequences().into_iter().zip(parts.iter().enumerate()) {
+            place(&mut all.dx, &g.dx, l0 * xs);
+            place(&mut all.ddt, &g.ddt, l0 * hs);
+            place(&mut all.db, &g.db, l0 * bcs);
+            place(&mut all.dc, &g.dc, l0 * bcs);
+            add(&mut all.da, &g.da);
+            for (whole, part) in [(&mut all.dd, &g.dd), (&mut all.ddt_bias, &g.ddt_bias)] {
+                if let (Some(w), Some(p)) = (whole.as_mut(), part.as_ref()) {
+                    add(w, p);
+                }
+            }
+            if let (Some(w), Some(p)) = (all.dz.as_mut(), g.dz.as_ref()) {
+                place(w, p, l0 * xs);
+            }
+            if let (Some(w), Some(p)) = (all.dh0.as_mut(), g.dh0.as_ref()) {
+                place(w, p, s * p.len());
+            }
+        }
+        all
     }
 }
 
