@@ -4,30 +4,42 @@
 //! grid), both layouts, time-varying and time-invariant B/C, with and without initial states and
 //! final-state cotangents. On the host here; `cuda_matches_host` compares the CUDA target with it.
 
+#[cfg(feature = "cuda")]
 use crate::common::cuda::{gpu, synchronize, DevBuf};
 use crate::common::Rng;
+#[cfg(feature = "cuda")]
 use std::cell::RefCell;
 use std::ffi::c_void;
 
 /// Where a call's arrays live: host memory (the vectors themselves), or device copies.
 struct Device {
     cuda: bool,
+    #[cfg(feature = "cuda")]
     bufs: RefCell<Vec<DevBuf>>,
 }
 
 impl Device {
     fn new(cuda: bool) -> Device {
-        Device { cuda, bufs: RefCell::new(Vec::new()) }
+        Device {
+            cuda,
+            #[cfg(feature = "cuda")]
+            bufs: RefCell::new(Vec::new()),
+        }
     }
 
     fn bytes(&self, host: *const c_void, bytes: &[u8]) -> *mut c_void {
         if !self.cuda {
             return host as *mut c_void;
         }
-        let buf = DevBuf::upload(bytes);
-        let ptr = buf.data();
-        self.bufs.borrow_mut().push(buf);
-        ptr
+        #[cfg(feature = "cuda")]
+        {
+            let buf = DevBuf::upload(bytes);
+            let ptr = buf.data();
+            self.bufs.borrow_mut().push(buf);
+            ptr
+        }
+        #[cfg(not(feature = "cuda"))]
+        unreachable!("a CUDA call in a build without CUDA ({} bytes)", bytes.len())
     }
 
     fn f32s(&self, v: &[f32]) -> *mut c_void {
@@ -59,9 +71,16 @@ impl Device {
 
     /// Copies the device array at `ptr` back into `v` (on the host `ptr` is `v` already).
     fn get(&self, ptr: *mut f32, v: &mut [f32]) {
-        if !self.cuda || v.is_empty() {
-            return;
+        #[cfg(feature = "cuda")]
+        if self.cuda && !v.is_empty() {
+            self.download(ptr, v);
         }
+        #[cfg(not(feature = "cuda"))]
+        let _ = (ptr, v);
+    }
+
+    #[cfg(feature = "cuda")]
+    fn download(&self, ptr: *mut f32, v: &mut [f32]) {
         synchronize(std::ptr::null_mut());
         let bufs = self.bufs.borrow();
         let buf = bufs.iter().find(|b| b.data() == ptr.cast()).expect("a buffer of this call");
@@ -358,6 +377,49 @@ impl Packed {
         r
     }
 
+    #[cfg(feature = "cuda")]
+    /// The CUDA forward's refusal of this packed call (while the kernels do not take cu_seqlens).
+    fn refused_on_cuda(&self) -> String {
+        let (dim, n, t) = (self.dim, self.dstate, self.seqlen() as i64);
+        let dev = Device::new(true);
+        let mut out = vec![0f32; self.u.len()];
+        let mut last = vec![0f32; (self.cu.len() - 1) * dim * n];
+        let args = XlaSsmSelectiveScanFwdArgs {
+            batch: 1,
+            dim: dim as i64,
+            seqlen: t,
+            dstate: n as i64,
+            groups: self.groups as i64,
+            dtype: XLA_SSM_F32,
+            bc_dtype: XLA_SSM_F32,
+            layout: if self.bld { XLA_SSM_LAYOUT_BLD } else { XLA_SSM_LAYOUT_BDL },
+            delta_softplus: true,
+            u: dev.f32s(&self.u),
+            delta: dev.f32s(&self.delta),
+            a: dev.f32s(&self.a).cast(),
+            b: dev.f32s(&self.b),
+            c: dev.f32s(&self.c),
+            d: std::ptr::null(),
+            z: std::ptr::null(),
+            delta_bias: std::ptr::null(),
+            initial_state: std::ptr::null(),
+            out: dev.out(&mut out),
+            final_state: dev.out(&mut last).cast(),
+            workspace: std::ptr::null_mut(),
+            workspace_bytes: 0,
+            checkpoint_len: 0,
+            checkpoints: std::ptr::null_mut(),
+            cu_seqlens: dev.i32s(&self.cu).cast(),
+            num_seqs: (self.cu.len() - 1) as i64,
+        };
+        // SAFETY: device buffers of the described sizes.
+        let status = unsafe { xla_ssm_selective_scan_fwd_cuda_launch(&args, std::ptr::null_mut()) };
+        let message = crate::c_api::last_error();
+        assert_eq!(status, XLA_SSM_UNIMPLEMENTED, "{message}");
+        assert!(message.contains("cu_seqlens"), "{message}");
+        message
+    }
+
     /// The per-sequence calls' results, put together as the packed call's.
     fn per_sequence(&self) -> Results {
         let (dim, n, t) = (self.dim, self.dstate, self.seqlen());
@@ -518,6 +580,7 @@ fn bad_boundaries_are_refused_on_the_host() {
 
 /// The CUDA target (tiled and lanes kernels, with and without the sequence split) against the host
 /// on packed problems.
+#[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
 fn cuda_matches_host() {
@@ -536,6 +599,11 @@ fn cuda_matches_host() {
         let lens = lengths(&mut rng, total);
         let p = Packed::new(200 + i as u64, dim, dstate, groups, bld, &lens, h0, dfinal);
         let what = format!("dim {dim} dstate {dstate} groups {groups} bld {bld} total {total}");
+        if !xla_ssm::cuda::PACKED_SEQUENCES {
+            let status = p.refused_on_cuda();
+            eprintln!("packed selective scan on CUDA: refused (the CUDA kernels do not take cu_seqlens yet): {status}");
+            continue;
+        }
         compare(&what, &p.run(true, 0, 0, 0, true), &p.run(true, 0, 0, 0, false), 2e-4);
     }
 }
