@@ -365,9 +365,16 @@ fn canary(i: usize) -> u8 {
 }
 
 /// Operand values as a model gives them: A negative, dt and its bias positive, indices a
-/// permutation of the pool's slots with a padding row, the rest standard normal, halved.
+/// permutation of the pool's slots with a padding row, valid packed boundaries, the rest standard
+/// normal, halved.
 fn operand_bytes(call: &Call, e: &Entry, rng: &mut Rng) -> Vec<u8> {
     let n = e.numel();
+    if e.dtype == S32 && e.name == "cu_seqlens" {
+        let x = &call.operands[0].dims;
+        let bld = call.attrs.iter().any(|(n, a)| n == "layout" && matches!(a, Attr::Str(s) if s == "bld"));
+        let cu = crate::decode_common::packed_boundaries(rng, n, if bld { x[1] } else { x[2] } as i32);
+        return cu.iter().flat_map(|v| v.to_le_bytes()).collect();
+    }
     if e.dtype == S32 {
         let pool = call.operands.iter().find(|o| matches!(o.name.as_str(), "state" | "conv_state" | "ssm_state"));
         let slots = pool.expect("indices come with a pooled state").dims[0] as usize;
@@ -801,6 +808,14 @@ fn shape_expect(s: &Setup, ret: bool, i: usize, dims: &[i64]) -> Expect {
     if ret && name == "workspace" {
         return Expect::Ok; // any size: the CPU never touches it
     }
+    if name == "cu_seqlens" {
+        // Another number of boundaries: the states' rows no longer fit; without states, the values
+        // read do not (the CPU target checks them, the CUDA one cannot).
+        let mut needles = words(SHAPE);
+        needles.push("cu_seqlens".into());
+        let counted = dims.len() == 1 && dims[0] >= 2 && s.operand("initial_states").is_none();
+        return if counted { Expect::Either(vec![needles]) } else { Expect::Invalid(vec![needles]) };
+    }
     if s.op == Op::SsdFwd && !ret && name == "D" {
         let x = s.operand_entry("x");
         if dims == [x.dims[2]] || dims == [x.dims[2], x.dims[3]] {
@@ -837,6 +852,10 @@ fn scan_seqlen(s: &Setup) -> i64 {
 
 /// What the call makes of attribute `name` missing (or unreadable as a name).
 fn missing_expect(s: &Setup, name: &str) -> Expect {
+    if name == "has_cu_seqlens" {
+        // Optional (absent: false): the cu_seqlens operand is then one too many.
+        return invalid(&[&["operands"]]);
+    }
     if s.op == Op::ScanFwd && name == "checkpoint_len" {
         // Optional (0: no checkpoints). A checkpoints result then reads as the workspace.
         return match (s.result("checkpoints").is_some(), s.result("workspace").is_some()) {
@@ -850,7 +869,7 @@ fn missing_expect(s: &Setup, name: &str) -> Expect {
 /// What the call makes of attribute `name` called `new_name` instead: a required one is missing; an
 /// optional one's new name is an attribute the target does not read.
 fn renamed_expect(s: &Setup, name: &str, new_name: &str) -> Expect {
-    if s.op == Op::ScanFwd && name == "checkpoint_len" {
+    if (s.op == Op::ScanFwd && name == "checkpoint_len") || name == "has_cu_seqlens" {
         return invalid_named(new_name, &[&["unknown attribute"]]);
     }
     missing_expect(s, name)
@@ -1132,7 +1151,9 @@ fn gen_xla(kind: XKind, s: &Setup, rng: &mut Rng) -> Option<XCase> {
             (what, expect)
         }
         SharedOperands => {
-            let (_, n) = pick_buffer(s, rng, |r, _, e| !r && e.name != "state_batch_indices")?;
+            // Not the integer operands: another buffer's bits are no valid indices or boundaries.
+            let (_, n) =
+                pick_buffer(s, rng, |r, _, e| !r && !matches!(e.name.as_str(), "state_batch_indices" | "cu_seqlens"))?;
             let need = s.call.operands[n].bytes();
             let (_, m) = pick_buffer(s, rng, |r, j, e| !r && j != n && e.bytes() >= need)?;
             args[n].data = args[m].data;

@@ -280,10 +280,16 @@ fn float_dt(code: i32) -> Option<Dt> {
 }
 
 /// Inputs with the values a model gives them: A negative (decay), dt / delta and their biases
-/// positive, indices a permutation of the pool's slots with a padding row; the rest standard
-/// normal, halved.
+/// positive, indices a permutation of the pool's slots with a padding row, valid boundaries of
+/// packed sequences; the rest standard normal, halved.
 fn random_operand(c: &CallRecord, e: &Entry, rng: &mut Rng) -> Vec<u8> {
     let n = e.numel();
+    if e.dtype == S32 && e.name == "cu_seqlens" {
+        let x = &c.operands[0].dims;
+        let seqlen = if attr_str(c, "layout") == "bld" { x[1] } else { x[2] };
+        let cu = crate::decode_common::packed_boundaries(rng, n, seqlen as i32);
+        return cu.iter().flat_map(|v| v.to_le_bytes()).collect();
+    }
     if e.dtype == S32 {
         assert_eq!(e.name, "state_batch_indices", "{}: an s32 operand", c.id);
         let state = c.operands.iter().find(|o| o.name == "state" || o.name == "conv_state" || o.name == "ssm_state");
