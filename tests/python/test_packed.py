@@ -63,7 +63,7 @@ def problem(seed, dim=12, dstate=8, total=160, layout="bdl", groups=2, dtype=F32
 
 
 @pytest.mark.parametrize("layout, groups, dtype, h0", [
-    ("bdl", 2, F32, True), ("bld", 1, F32, False), ("bdl", 0, F32, True), ("bld", 3, BF16, True),
+    ("bdl", 2, F32, True), ("bld", 0, F32, False), ("bld", 3, BF16, True),
 ])  # fmt: skip
 def test_forward_and_gradients_match_per_sequence(layout, groups, dtype, h0):
     args, cu = problem(1, layout=layout, groups=groups, dtype=dtype, h0=h0)
@@ -86,7 +86,7 @@ def test_forward_and_gradients_match_per_sequence(layout, groups, dtype, h0):
 
     diff = {k: v for k, v in args.items() if v is not None}
     got = jax.jit(jax.grad(loss(xla_ssm.selective_scan, **ours, cu_seqlens=cu)))(diff)
-    want = jax.grad(loss(xla_ssm.selective_scan_ref, delta_softplus=True, layout=layout, cu_seqlens=cu))(diff)
+    want = jax.jit(jax.grad(loss(xla_ssm.selective_scan_ref, delta_softplus=True, layout=layout, cu_seqlens=cu)))(diff)
     for name in diff:
         close(got[name], want[name], 3 * tol, f"d{name}")
 

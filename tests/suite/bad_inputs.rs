@@ -9,11 +9,11 @@
 //!   call frames built by the fake runtime (tests/suite/common/xla.rs), mutated: frame, API table and
 //!   struct sizes, stages, counts and arrays, each buffer's struct, rank, dims, dtype and data pointer
 //!   (null, misaligned, overlapping another buffer, the in-place states aliased exactly or partly),
-//!   operand and result counts, and each attribute (missing, renamed, extra, of another type or
-//!   width, null entries, bad values);
+//!   operand and result counts, each attribute (missing, renamed, extra, of another type or width,
+//!   null entries, bad values), and the values of packed sequences' boundaries (`cu_seqlens`);
 //! - `c_api_refuses_bad_arguments`: every `xla_ssm_*_host` and `*_cuda_launch` with its argument
 //!   struct mutated field by field (sizes, dtype and layout codes, flags, dt limits, each pointer null,
-//!   misaligned, overlapping or shared), and NULL;
+//!   misaligned, overlapping or shared, the boundaries' values), and NULL;
 //! - `sizers_and_registration_refuse_bad_arguments`: the workspace sizers,
 //!   `xla_ssm_ssd_chunk_states_dtype` and `xla_ssm_register_xla_targets`.
 //!
@@ -23,7 +23,8 @@
 //! keeps the call valid (an extra attribute, a flipped softplus, an in-place state aliased exactly,
 //! two operands sharing a buffer), or either where an unusual call may be taken (smaller or zero
 //! sizes); a CUDA entry point on a machine without a device must refuse a call it would run with an
-//! error about CUDA. INTERNAL, or any message saying the library panicked, fails the test: it means
+//! error about CUDA, also where only values it cannot read are wrong (bad boundaries, which the
+//! host entry points refuse). INTERNAL, or any message saying the library panicked, fails the test: it means
 //! a check is missing. And no case may write outside its results: every buffer lies in one arena
 //! between canary gaps, and after each call every byte outside the results the call describes (every
 //! byte, when the call failed) must be as it was.
@@ -35,7 +36,7 @@
 use crate::common::xla::{
     self, Attr, Buf, Buffer, ByteSpan, Frame, Handler, Scalar, BF16, F16, F32, F64, PRED, S32, S64, U8,
 };
-use crate::common::{Dt, Rng};
+use crate::common::{random_cu_seqlens, Dt, Rng};
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::mem::{offset_of, size_of};
@@ -365,14 +366,12 @@ fn canary(i: usize) -> u8 {
 }
 
 /// Operand values as a model gives them: A negative, dt and its bias positive, indices a
-/// permutation of the pool's slots with a padding row, valid packed boundaries, the rest standard
-/// normal, halved.
+/// permutation of the pool's slots with a padding row, packed sequences' boundaries valid (an
+/// empty sequence among them), the rest standard normal, halved.
 fn operand_bytes(call: &Call, e: &Entry, rng: &mut Rng) -> Vec<u8> {
     let n = e.numel();
     if e.dtype == S32 && e.name == "cu_seqlens" {
-        let x = &call.operands[0].dims;
-        let bld = call.attrs.iter().any(|(n, a)| n == "layout" && matches!(a, Attr::Str(s) if s == "bld"));
-        let cu = crate::decode_common::packed_boundaries(rng, n, if bld { x[1] } else { x[2] } as i32);
+        let cu = random_cu_seqlens(rng, n - 1, call_seqlen(call) as usize);
         return cu.iter().flat_map(|v| v.to_le_bytes()).collect();
     }
     if e.dtype == S32 {
@@ -399,6 +398,22 @@ fn operand_bytes(call: &Call, e: &Entry, rng: &mut Rng) -> Vec<u8> {
         .collect();
     dt.encode(&values)
 }
+
+/// The sequence length of a call: its first operand's (u or x) in its layout (SSD: (batch, seqlen, ..)).
+fn call_seqlen(call: &Call) -> i64 {
+    let x = &call.operands[0].dims;
+    let bld = call.attrs.iter().any(|(n, a)| n == "layout" && matches!(a, Attr::Str(s) if s == "bld"));
+    if bld || call.target.starts_with("xla_ssm_ssd") {
+        x[1]
+    } else {
+        x[2]
+    }
+}
+
+/// The state operands and results a packed call sizes by num_seqs: the selective scan's
+/// (num_seqs, dim, dstate), the conv's (num_seqs, dim, width - 1).
+const PACKED_STATES: [&str; 6] =
+    ["initial_state", "final_state", "dfinal_state", "dinitial_state", "initial_states", "dinitial_states"];
 
 impl Setup {
     fn new(call: Call, seed: u64) -> Setup {
@@ -475,6 +490,13 @@ impl Setup {
 
     fn attr(&self, name: &str) -> Option<&Attr> {
         self.call.attrs.iter().find(|(n, _)| n == name).map(|(_, a)| a)
+    }
+
+    /// The boundaries of a packed call, as its arena holds them.
+    fn cu_seqlens(&self) -> Option<Vec<i32>> {
+        let slot = self.slots[self.operand("cu_seqlens")?];
+        let bytes = &self.template[slot.off..slot.off + slot.bytes];
+        Some(bytes.chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap())).collect())
     }
 
     fn attr_bool(&self, name: &str) -> bool {
@@ -588,6 +610,9 @@ enum Expect {
     Invalid(Needles),
     /// Either of the two.
     Either(Needles),
+    /// INVALID_ARGUMENT with these words from a host entry point, which reads the operands' values;
+    /// a CUDA one cannot read them before it runs, so it succeeds (refuses without a device).
+    HostValues(Needles),
     /// Returns no error and does nothing (other stages; no API table to report through).
     Nothing,
     /// The host's own error, passed on (INTERNAL with this text).
@@ -650,6 +675,10 @@ fn judge(expect: &Expect, cuda: bool, outcome: &Outcome) -> Result<bool, String>
         if msg.contains("panicked") {
             return Err("the library panicked (a missing check)".into());
         }
+    }
+    if let Expect::HostValues(n) = expect {
+        let as_called = if cuda { Expect::Ok } else { Expect::Invalid(n.clone()) };
+        return judge(&as_called, cuda, outcome);
     }
     let fail = |why: &str| Err(format!("{why}: expected {expect:?}"));
     match (expect, outcome) {
@@ -731,7 +760,7 @@ kinds!(
     SharedOperands, DropOperand, ExtraOperand, DropResult, ExtraResult, AttrMissing, AttrRenamed,
     AttrExtra, AttrWrongType, AttrNullEntry, AttrNullName, AttrTypeCode, AttrNullValue,
     AttrBoolFlip, AttrBoolOdd, AttrIntValue, AttrFloatValue, AttrStrValue, StreamFails, MetadataOk,
-    MetadataBad,
+    MetadataBad, BoundaryValues,
 );
 
 type Tweak = Box<dyn FnOnce(&mut Frame)>;
@@ -744,6 +773,9 @@ struct XCase {
     attrs: Vec<(String, Attr)>,
     tweak: Option<Tweak>,
     metadata: Option<(usize, bool, usize)>,
+    /// Host memory an operand was pointed at (outside the arena: the arena's bytes stay as the
+    /// template has them), kept alive through the call.
+    _keep: Option<Vec<i32>>,
     expect: Expect,
     what: String,
 }
@@ -808,13 +840,22 @@ fn shape_expect(s: &Setup, ret: bool, i: usize, dims: &[i64]) -> Expect {
     if ret && name == "workspace" {
         return Expect::Ok; // any size: the CPU never touches it
     }
-    if name == "cu_seqlens" {
-        // Another number of boundaries: the states' rows no longer fit; without states, the values
-        // read do not (the CPU target checks them, the CUDA one cannot).
-        let mut needles = words(SHAPE);
-        needles.push("cu_seqlens".into());
-        let counted = dims.len() == 1 && dims[0] >= 2 && s.operand("initial_states").is_none();
-        return if counted { Expect::Either(vec![needles]) } else { Expect::Invalid(vec![needles]) };
+    if !ret && name == "cu_seqlens" {
+        if dims.len() != 1 || dims[0] < 1 {
+            return invalid_named("cu_seqlens", &[&["shape"]]);
+        }
+        // Another num_seqs: the states, sized by it, no longer match.
+        if PACKED_STATES.iter().any(|n| s.named_slot(n).is_some()) {
+            return invalid(&[SHAPE]);
+        }
+        // No state to disagree: the boundaries read, a prefix of the arena's or past them.
+        return Expect::Either(vec![named("cu_seqlens")]);
+    }
+    if s.op == Op::ConvFwd && !ret && name == "weight" && s.operand("initial_states").is_none() {
+        let w = &s.operand_entry("weight").dims;
+        if dims.len() == 2 && dims[0] == w[0] && (2..=4).contains(&dims[1]) {
+            return either(&[SHAPE]); // another width, and nothing else sized by it
+        }
     }
     if s.op == Op::SsdFwd && !ret && name == "D" {
         let x = s.operand_entry("x");
@@ -830,6 +871,9 @@ fn dtype_expect(s: &Setup, ret: bool, i: usize, dtype: i32) -> Expect {
     let name = s.name(ret, i);
     if ret && name == "workspace" {
         return Expect::Ok;
+    }
+    if !ret && name == "cu_seqlens" {
+        return invalid_named("cu_seqlens", &[&["dtype"]]);
     }
     let weight =
         matches!((s.op, name.as_str()), (Op::ConvFwd | Op::ConvUpdate, "weight") | (Op::Decode, "conv_weight"));
@@ -853,7 +897,7 @@ fn scan_seqlen(s: &Setup) -> i64 {
 /// What the call makes of attribute `name` missing (or unreadable as a name).
 fn missing_expect(s: &Setup, name: &str) -> Expect {
     if name == "has_cu_seqlens" {
-        // Optional (absent: false): the cu_seqlens operand is then one too many.
+        // Optional (false: not packed): cu_seqlens is then one operand too many.
         return invalid(&[&["operands"]]);
     }
     if s.op == Op::ScanFwd && name == "checkpoint_len" {
@@ -925,6 +969,7 @@ fn gen_xla(kind: XKind, s: &Setup, rng: &mut Rng) -> Option<XCase> {
     let mut attrs = s.call.attrs.clone();
     let mut tweak: Option<Tweak> = None;
     let mut metadata = None;
+    let mut keep = None;
     let (what, expect): (String, Expect) = match kind {
         Baseline => ("unchanged".into(), Expect::Ok),
         FrameSize => {
@@ -1128,7 +1173,10 @@ fn gen_xla(kind: XKind, s: &Setup, rng: &mut Rng) -> Option<XCase> {
                 kind_word(mret),
                 s.name(mret, m)
             );
-            (what, invalid(&[&["overlap"]]))
+            // An in-place state's result exactly on its operand is the aliasing XLA may do.
+            let name = s.name(true, n);
+            let aliased = !mret && at == target && s.name(false, m) == name && in_place(s.op).contains(&name.as_str());
+            (what, if aliased { Expect::Ok } else { invalid(&[&["overlap"]]) })
         }
         AliasExact | AliasPartial => {
             let name = *pick(rng, in_place(s.op).first().map(|_| in_place(s.op))?);
@@ -1151,9 +1199,9 @@ fn gen_xla(kind: XKind, s: &Setup, rng: &mut Rng) -> Option<XCase> {
             (what, expect)
         }
         SharedOperands => {
-            // Not the integer operands: another buffer's bits are no valid indices or boundaries.
+            // Indices and boundaries must keep their values: not another operand's bytes.
             let (_, n) =
-                pick_buffer(s, rng, |r, _, e| !r && !matches!(e.name.as_str(), "state_batch_indices" | "cu_seqlens"))?;
+                pick_buffer(s, rng, |r, _, e| !r && e.name != "state_batch_indices" && e.name != "cu_seqlens")?;
             let need = s.call.operands[n].bytes();
             let (_, m) = pick_buffer(s, rng, |r, j, e| !r && j != n && e.bytes() >= need)?;
             args[n].data = args[m].data;
@@ -1419,8 +1467,49 @@ fn gen_xla(kind: XKind, s: &Setup, rng: &mut Rng) -> Option<XCase> {
             metadata = Some(m);
             (format!("metadata request {m:?}"), invalid(&[&["XLA_FFI_Metadata"]]))
         }
+        BoundaryValues => {
+            let i = s.operand("cu_seqlens")?;
+            let (values, expect) = boundary_values(rng, &s.cu_seqlens()?, call_seqlen(&s.call));
+            args[i].data = values.as_ptr() as *mut c_void;
+            let what = format!("cu_seqlens = {values:?}");
+            keep = Some(values);
+            (what, expect)
+        }
     };
-    Some(XCase { args, rets, attrs, tweak, metadata, expect, what })
+    Some(XCase { args, rets, attrs, tweak, metadata, _keep: keep, expect, what })
+}
+
+/// Other values of a packed call's boundaries `cu` (same count): valid ones at times, else a first
+/// boundary other than 0, a decrease, or a last one other than seqlen. The expectation is what the
+/// host's check (first, then order, then last) says of them.
+fn boundary_values(rng: &mut Rng, cu: &[i32], seqlen: i64) -> (Vec<i32>, Expect) {
+    let mut v = cu.to_vec();
+    let n = v.len() - 1; // num_seqs
+    let l = seqlen as i32;
+    match below(rng, 5) {
+        0 => v = random_cu_seqlens(rng, n, seqlen as usize),
+        1 => v[0] = *pick(rng, &[1, -1, l, i32::MIN, i32::MAX]),
+        2 if n >= 1 => {
+            let j = 1 + below(rng, n);
+            v[j] = v[j - 1] - 1 - below(rng, 3) as i32;
+        }
+        3 if n >= 2 => v[1 + below(rng, n - 1)] = *pick(rng, &[l + 1, i32::MAX]), // above what follows
+        _ => v[n] = *pick(rng, &[l - 1, l + 1, l + 1000, i32::MAX]),
+    }
+    let problem = if v[0] != 0 {
+        Some("first boundary")
+    } else if v.windows(2).any(|w| w[1] < w[0]) {
+        Some("not decrease")
+    } else if i64::from(v[n]) != seqlen {
+        Some("last boundary")
+    } else {
+        None
+    };
+    let expect = match problem {
+        None => Expect::Ok,
+        Some(word) => Expect::HostValues(vec![named("cu_seqlens"), words(&[word])]),
+    };
+    (v, expect)
 }
 
 /// A metadata request as XLA makes it, malformed as asked; the frame carries an API table so that
@@ -1666,6 +1755,8 @@ fn scan_fwd_api() -> CApi {
             field!(T, WsBytes, "", workspace_bytes),
             field!(T, Size, "", checkpoint_len),
             field!(T, OptOut, "checkpoints", checkpoints),
+            field!(T, Opt, "cu_seqlens", cu_seqlens),
+            field!(T, Size, "", num_seqs),
         ],
         // SAFETY (each entry point below): the pointer is NULL or addresses an argument struct of
         // its type whose pointers address arena slots of at least the sizes the cases describe.
@@ -1714,6 +1805,8 @@ fn scan_bwd_api() -> CApi {
             field!(T, OptOut, "dinitial_state", dinitial_state),
             field!(T, Ws, "workspace", workspace),
             field!(T, WsBytes, "", workspace_bytes),
+            field!(T, Opt, "cu_seqlens", cu_seqlens),
+            field!(T, Size, "", num_seqs),
         ],
         // SAFETY (both): as for `scan_fwd_api`'s entry points.
         host: |p| unsafe { xla_ssm_selective_scan_bwd_host(p as *const T) },
@@ -1985,6 +2078,7 @@ fn c_base(s: &Setup, api: &CApi) -> CArgs {
             };
             let dstate = s.operand_entry("A").dims[1];
             let len = s.attr_i64("checkpoint_len").unwrap_or(0);
+            let num_seqs = s.operand("cu_seqlens").map_or(0, |i| s.call.operands[i].dims[0] - 1);
             values.extend([
                 ("batch", batch),
                 ("dim", dim),
@@ -1992,6 +2086,7 @@ fn c_base(s: &Setup, api: &CApi) -> CArgs {
                 ("dstate", dstate),
                 ("groups", groups),
                 ("checkpoint_len", len),
+                ("num_seqs", num_seqs),
             ]);
             codes.extend([
                 ("dtype", capi_dtype(s.operand_entry("u").dtype)),
@@ -2077,7 +2172,7 @@ kinds!(
     CKind, CKINDS:
     Baseline, NullArgs, BadDtypeCode, OtherDtype, BadLayout, LayoutFlip, NegativeSize, HugeSize,
     ZeroSize, SmallerSize, OddSize, NullPointer, MisalignedPointer, OverlappingPointer,
-    SharedInputs, FlagFlip, DtLimits,
+    SharedInputs, FlagFlip, DtLimits, BoundaryValues,
 );
 
 /// How much of its slot a successful call may write: the buffer as given, or all of its slot (for
@@ -2091,6 +2186,8 @@ enum Region {
 struct CCase {
     /// None: a NULL argument pointer.
     args: Option<CArgs>,
+    /// Host memory a pointer was set to (outside the arena), kept alive through the call.
+    _keep: Option<Vec<i32>>,
     expect: Expect,
     region: Region,
     what: String,
@@ -2110,11 +2207,29 @@ fn groups_total(api: &CApi, a: &mut CArgs) -> i64 {
 /// What a size field set to `v` (from `orig`) makes of the call. Only values that describe no
 /// buffer larger than the fixture's are generated valid (checkpoint_len and chunk_size larger, the
 /// rest smaller), or ones too large to be valid.
-fn c_size_expect(api: &CApi, a: &mut CArgs, f: &CField, orig: i64, v: i64) -> (Expect, Region) {
+fn c_size_expect(s: &Setup, api: &CApi, a: &mut CArgs, f: &CField, orig: i64, v: i64) -> (Expect, Region) {
     let shape = || invalid(&[SHAPE]);
     let either_shape = || either(&[SHAPE]);
     let ssd = api.op.is_ssd();
+    let packed = api.fields.iter().any(|f| f.name == "cu_seqlens") && a.ptr(field(api, "cu_seqlens")) != 0;
     match f.name {
+        "num_seqs" if !packed => (Expect::Ok, Region::Exact), // read only with cu_seqlens
+        "num_seqs" if v < 0 || v > orig => (shape(), Region::Exact), // larger ones only past 2^48
+        "num_seqs" => {
+            // Fewer sequences: the first v + 1 boundaries, valid where the rest are empty ones.
+            let cu = s.cu_seqlens().expect("a packed call");
+            let e = if i64::from(cu[v as usize]) == a.i64(field(api, "seqlen")) {
+                Expect::Ok
+            } else {
+                Expect::HostValues(vec![named("cu_seqlens"), words(&["last boundary"])])
+            };
+            (e, Region::Exact)
+        }
+        "batch" if packed && (0..orig).contains(&v) => (invalid_named("cu_seqlens", &[&["batch"]]), Region::Exact),
+        "seqlen" if packed && (0..orig).contains(&v) => {
+            // The boundaries still end at the old seqlen.
+            (Expect::HostValues(vec![named("cu_seqlens"), words(&["last boundary"])]), Region::Exact)
+        }
         "workspace_bytes" => (either(&[&["overlap", "workspace"]]), Region::Exact),
         "n_slots" => {
             let indices = a.ptr(field(api, "state_batch_indices"));
@@ -2201,10 +2316,12 @@ fn gen_c(kind: CKind, s: &Setup, api: &CApi, rng: &mut Rng) -> Option<CCase> {
     use CKind::*;
     let mut a = c_base(s, api);
     let mut region = Region::Exact;
+    let mut keep = None;
     let (what, expect): (String, Expect) = match kind {
         Baseline => ("unchanged".into(), Expect::Ok),
         NullArgs => {
-            return Some(CCase { args: None, expect: invalid(&[&["args is NULL"]]), region, what: "NULL".into() })
+            let expect = invalid(&[&["args is NULL"]]);
+            return Some(CCase { args: None, _keep: None, expect, region, what: "NULL".into() });
         }
         BadDtypeCode => {
             let f = pick_field(api, rng, |f| f.kind == K::Dtype)?;
@@ -2291,7 +2408,7 @@ fn gen_c(kind: CKind, s: &Setup, api: &CApi, rng: &mut Rng) -> Option<CCase> {
                 return None;
             }
             a.set_i64(f, v);
-            let (e, r) = c_size_expect(api, &mut a, f, orig, v);
+            let (e, r) = c_size_expect(s, api, &mut a, f, orig, v);
             region = r;
             (format!("{} = {v}", f.name), e)
         }
@@ -2336,8 +2453,11 @@ fn gen_c(kind: CKind, s: &Setup, api: &CApi, rng: &mut Rng) -> Option<CCase> {
             (format!("{} at {:+} bytes of {}", n.name, at as isize - target as isize, m.name), invalid(&[&["overlap"]]))
         }
         SharedInputs => {
+            // Indices and boundaries must keep their values: not another input's bytes.
             let n = *pick_field(api, rng, |f| {
-                matches!(f.kind, K::In | K::Opt) && f.buf != "state_batch_indices" && s.named_slot(f.buf).is_some()
+                matches!(f.kind, K::In | K::Opt)
+                    && !matches!(f.buf, "state_batch_indices" | "cu_seqlens")
+                    && s.named_slot(f.buf).is_some()
             })?;
             let need = field_slot(s, &n).unwrap().bytes;
             let m = *pick_field(api, rng, |f| {
@@ -2371,8 +2491,17 @@ fn gen_c(kind: CKind, s: &Setup, api: &CApi, rng: &mut Rng) -> Option<CCase> {
             let e = if dt_limits_ok(lo, hi) { Expect::Ok } else { invalid_named("dt_min", &[]) };
             (format!("dt_min = {lo}, dt_max = {hi}"), e)
         }
+        BoundaryValues => {
+            let cu = s.cu_seqlens()?;
+            let seqlen = a.i64(field(api, "seqlen"));
+            let (values, expect) = boundary_values(rng, &cu, seqlen);
+            a.set_ptr(field(api, "cu_seqlens"), values.as_ptr() as usize);
+            let what = format!("cu_seqlens = {values:?}");
+            keep = Some(values);
+            (what, expect)
+        }
     };
-    Some(CCase { args: Some(a), expect, region, what })
+    Some(CCase { args: Some(a), _keep: keep, expect, region, what })
 }
 
 fn entry_named<'a>(s: &'a Setup, name: &str) -> &'a Entry {

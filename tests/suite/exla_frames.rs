@@ -10,7 +10,7 @@
 //! (`xla_ssm_*_workspace_bytes`, `xla_ssm_ssd_chunk_states_dtype`).
 
 use crate::common::xla::{self, Attr, Buf, Frame, Handler, BF16, F16, F32, PRED, S32, S64, U8};
-use crate::common::{Dt, HostBuf, Rng};
+use crate::common::{random_cu_seqlens, Dt, HostBuf, Rng};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use xla_ssm::capi::*;
@@ -280,14 +280,22 @@ fn float_dt(code: i32) -> Option<Dt> {
 }
 
 /// Inputs with the values a model gives them: A negative (decay), dt / delta and their biases
-/// positive, indices a permutation of the pool's slots with a padding row, valid boundaries of
-/// packed sequences; the rest standard normal, halved.
+/// positive, indices a permutation of the pool's slots with a padding row, packed sequences'
+/// boundaries valid (an empty sequence among them); the rest standard normal, halved.
 fn random_operand(c: &CallRecord, e: &Entry, rng: &mut Rng) -> Vec<u8> {
     let n = e.numel();
     if e.dtype == S32 && e.name == "cu_seqlens" {
-        let x = &c.operands[0].dims;
-        let seqlen = if attr_str(c, "layout") == "bld" { x[1] } else { x[2] };
-        let cu = crate::decode_common::packed_boundaries(rng, n, seqlen as i32);
+        let seqlen = if c.target.starts_with("xla_ssm_causal_conv1d") {
+            let x = &operand(c, "x").dims;
+            if layout_code(c) == XLA_SSM_LAYOUT_BLD {
+                x[1]
+            } else {
+                x[2]
+            }
+        } else {
+            scan_sizes(c).2
+        };
+        let cu = random_cu_seqlens(rng, n - 1, seqlen as usize);
         return cu.iter().flat_map(|v| v.to_le_bytes()).collect();
     }
     if e.dtype == S32 {
@@ -600,6 +608,7 @@ fn selective_scan_forward_frames_match_the_c_api() {
     let fx = fixture();
     let calls: Vec<&CallRecord> = fx.calls.iter().filter(|c| c.target == "xla_ssm_selective_scan_fwd").collect();
     assert!(calls.len() >= 4);
+    assert!(calls.iter().any(|c| attr(c, "has_cu_seqlens").is_some()), "no packed forward in the fixture");
     for (k, c) in calls.into_iter().enumerate() {
         let mut frame_bufs = Buffers::new(c, 3000 + k as u64);
         run_frame(c, &mut frame_bufs, &c.attrs).unwrap_or_else(|(code, m)| panic!("{}: ({code}) {m}", c.id));
@@ -611,9 +620,10 @@ fn selective_scan_forward_frames_match_the_c_api() {
             Some(i) => bufs.rets[i].ptr(),
             None => std::ptr::null_mut(),
         };
+        let num_seqs = c.operands.iter().find(|e| e.name == "cu_seqlens").map_or(0, |e| e.dims[0] - 1);
         let args = XlaSsmSelectiveScanFwdArgs {
-            cu_seqlens: std::ptr::null(),
-            num_seqs: 0,
+            cu_seqlens: api.arg(c, "cu_seqlens") as *const i32,
+            num_seqs,
             batch,
             dim,
             seqlen,

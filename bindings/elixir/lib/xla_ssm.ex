@@ -128,12 +128,22 @@ defmodule XlaSsm do
   u's type.
 
   Options: `:d`, `:delta_bias` (`{dim}` f32), `:z` (like u), `:initial_state` (`{batch, dim,
-  dstate}` f32), `:delta_softplus` (false), `:return_final_state` (false), `:layout` ("bdl"),
-  `:workspace` (true: give the CUDA kernel its scratch; see `XlaSsm.Spec`).
+  dstate}` f32), `:cu_seqlens`, `:delta_softplus` (false), `:return_final_state` (false),
+  `:layout` ("bdl"), `:workspace` (true: give the CUDA kernel its scratch; see `XlaSsm.Spec`).
+
+  Packed sequences: `cu_seqlens` (`{num_seqs + 1}` integers, passed as s32) holds the boundaries
+  of `num_seqs` sequences laid one after another along seqlen of a batch-1 input: 0 first,
+  non-decreasing, seqlen last (empty sequences allowed). The state starts again at every boundary
+  (from `initial_state`, then `{num_seqs, dim, dstate}`, or zero) and `final_state` has one row
+  per sequence (an empty one's is its initial state), as one call per sequence would give
+  (docs/selective_scan_fwd.md, "Packed sequences"). Concrete boundaries are checked here
+  (`ArgumentError`); traced ones (inside `defn`) are the caller's to get right: the CPU target
+  refuses bad ones, the CUDA target cannot read them (undefined results, though never an access
+  outside the buffers), the fallback does not check them.
 
   Returns `out` (like u), or `{out, final_state}` with `return_final_state: true`. Inside `defn`
-  it is differentiable in every tensor argument: the gradient runs the forward again keeping
-  checkpoints, then `xla_ssm_selective_scan_bwd`.
+  it is differentiable in every tensor argument but `cu_seqlens`: the gradient runs the forward
+  again keeping checkpoints, then `xla_ssm_selective_scan_bwd`.
   """
   def selective_scan(u, delta, a, b, c, opts \\ []) do
     opts =
@@ -142,6 +152,7 @@ defmodule XlaSsm do
         :z,
         :delta_bias,
         :initial_state,
+        :cu_seqlens,
         delta_softplus: false,
         return_final_state: false,
         layout: "bdl",
@@ -158,8 +169,12 @@ defmodule XlaSsm do
         d: opts[:d],
         z: opts[:z],
         delta_bias: opts[:delta_bias],
-        initial_state: opts[:initial_state]
+        initial_state: opts[:initial_state],
+        cu_seqlens: opts[:cu_seqlens]
       )
+
+    named =
+      for {key, t} <- named, do: {key, if(key == :cu_seqlens, do: boundaries!(t, named[:u], opts[:layout]), else: t)}
 
     spec_opts = Keyword.take(opts, [:delta_softplus, :layout, :workspace])
     tag = %Block.SelectiveScanFwd{operands: Keyword.keys(named), opts: spec_opts}
@@ -168,12 +183,39 @@ defmodule XlaSsm do
     {out, final_state} =
       if traced?(out) do
         grad = &scan_grads(named, spec_opts, opts[:return_final_state], {out, final_state}, &1)
-        Nx.Defn.Kernel.custom_grad({out, final_state}, Keyword.values(named), grad)
+        # The boundaries are integers: no gradient flows to them.
+        differentiable = named |> Keyword.delete(:cu_seqlens) |> Keyword.values()
+        Nx.Defn.Kernel.custom_grad({out, final_state}, differentiable, grad)
       else
         {out, final_state}
       end
 
     if opts[:return_final_state], do: {out, final_state}, else: out
+  end
+
+  # cu_seqlens as the target takes it (s32), from any integer tensor. Concrete boundaries are
+  # checked here, as the JAX binding does: the CUDA target cannot check them and the fallback does
+  # not; traced ones (inside defn) are the caller's.
+  defp boundaries!(cu, u, layout) do
+    case Nx.type(cu) do
+      {kind, _} when kind in [:s, :u] -> :ok
+      other -> raise ArgumentError, "selective_scan: cu_seqlens must be integers, got #{inspect(other)}"
+    end
+
+    cu = Nx.as_type(cu, {:s, 32})
+
+    if not traced?(cu) and Nx.rank(cu) == 1 and Nx.rank(u) == 3 do
+      seqlen = Nx.axis_size(u, if(layout in ["bld", :bld], do: 1, else: 2))
+      values = Nx.to_flat_list(cu)
+      sorted = values |> Enum.chunk_every(2, 1, :discard) |> Enum.all?(fn [a, b] -> a <= b end)
+
+      unless List.first(values) == 0 and sorted and List.last(values) == seqlen do
+        raise ArgumentError,
+              "selective_scan: cu_seqlens must start at 0, never decrease and end at seqlen (= #{seqlen}), got #{inspect(values)}"
+      end
+    end
+
+    cu
   end
 
   @scan_grad_names %{
@@ -198,9 +240,10 @@ defmodule XlaSsm do
       [checkpoints: checkpoints, dout: like(g_out, out)] ++
         if(with_final, do: [dfinal_state: like(g_final, final_state)], else: [])
 
+    # cu_seqlens (last of the forward's operands, when given) goes to the backward too.
     tag = %Block.SelectiveScanBwd{operands: keys ++ Keyword.keys(cotangents), opts: opts}
     grads = Block.run(tag, args ++ Keyword.values(cotangents))
-    Enum.map(keys, &Map.fetch!(grads, @scan_grad_names[&1]))
+    for key <- keys, key != :cu_seqlens, do: Map.fetch!(grads, @scan_grad_names[key])
   end
 
   ## ------------------------------------------------------------------------------ SSD

@@ -207,6 +207,192 @@ defmodule XlaSsm.NxTest do
     end
   end
 
+  describe "selective_scan with packed sequences (fallback)" do
+    # Sequences of 3, 0, 4 and 2 steps (an empty one) along seqlen 9 of one batch row.
+    @cu [0, 3, 3, 7, 9]
+
+    defp packed_ops(seed) do
+      ops = scan_ops(seed, 1, 4, 9, 3, 2) |> all_optional(seed + 10)
+      num_seqs = length(@cu) - 1
+      %{ops | initial_state: normal(seed + 20, {num_seqs, 4, 3})}
+    end
+
+    # One unpacked call per sequence on its steps (time-varying B/C sliced alike), outputs
+    # concatenated along seqlen: what a packed call must equal (the JAX binding's _packed_ref).
+    defp per_sequence(ops, cu, opts) do
+      dstate = Nx.axis_size(ops.a, 1)
+      dim = Nx.axis_size(ops.a, 0)
+
+      pieces =
+        for {{lo, hi}, s} <- Enum.with_index(Enum.zip(cu, tl(cu))) do
+          h0 = Nx.slice(ops.initial_state, [s, 0, 0], [1, dim, dstate])
+
+          if hi == lo do
+            {nil, h0}
+          else
+            cut = fn t, axis -> Nx.slice_along_axis(t, lo, hi - lo, axis: axis) end
+
+            {out, h} =
+              XlaSsm.selective_scan(
+                cut.(ops.u, 2),
+                cut.(ops.delta, 2),
+                ops.a,
+                cut.(ops.b, 3),
+                cut.(ops.c, 3),
+                Keyword.merge(opts,
+                  d: ops.d,
+                  z: cut.(ops.z, 2),
+                  delta_bias: ops.delta_bias,
+                  initial_state: h0,
+                  return_final_state: true
+                )
+              )
+
+            {out, h}
+          end
+        end
+
+      outs = for {out, _} <- pieces, out != nil, do: out
+      {Nx.concatenate(outs, axis: 2), Nx.concatenate(Enum.map(pieces, &elem(&1, 1)), axis: 0)}
+    end
+
+    test "equals one call per sequence (an empty one keeps its initial state), both layouts" do
+      ops = packed_ops(60)
+      cu = Nx.tensor(@cu, type: :s32)
+      {want_out, want_h} = per_sequence(ops, @cu, delta_softplus: true)
+
+      args = [
+        d: ops.d,
+        z: ops.z,
+        delta_bias: ops.delta_bias,
+        initial_state: ops.initial_state,
+        cu_seqlens: cu,
+        delta_softplus: true,
+        return_final_state: true
+      ]
+
+      {out, h} = XlaSsm.selective_scan(ops.u, ops.delta, ops.a, ops.b, ops.c, args)
+      assert Nx.shape(h) == {4, 4, 3}
+      assert_close(out, Nx.to_list(want_out))
+      assert_close(h, Nx.to_list(want_h))
+      # The empty sequence's final state is its initial state.
+      assert_close(h[1], Nx.to_list(ops.initial_state[1]), 1.0e-6)
+
+      tv = fn t -> Nx.transpose(t, axes: [0, 3, 1, 2]) end
+
+      {out_l, h_l} =
+        XlaSsm.selective_scan(bld(ops.u), bld(ops.delta), ops.a, tv.(ops.b), tv.(ops.c), [
+          {:layout, "bld"} | Keyword.merge(args, z: bld(ops.z), cu_seqlens: Nx.tensor(@cu, type: :s64))
+        ])
+
+      assert_close(bld(out_l), Nx.to_list(want_out))
+      assert_close(h_l, Nx.to_list(want_h))
+
+      # Without initial states every sequence starts from zero.
+      no_h0 = Keyword.delete(args, :initial_state)
+      {_, h0_free} = XlaSsm.selective_scan(ops.u, ops.delta, ops.a, ops.b, ops.c, no_h0)
+      {_, want_free} = per_sequence(%{ops | initial_state: Nx.broadcast(0.0, {4, 4, 3})}, @cu, delta_softplus: true)
+      assert_close(h0_free, Nx.to_list(want_free))
+    end
+
+    test "checkpoints hold the state entering their step before the boundary rule" do
+      ops = scan_ops(70, 1, 2, 70, 2, 1)
+      # A boundary on checkpoint 1 (step 32); checkpoint 2 (step 64) inside the last sequence.
+      cu = [0, 32, 32, 50, 70]
+      tensor = Nx.tensor(cu, type: :s32)
+      {_out, h, checkpoints} = Reference.selective_scan_fwd(Map.put(ops, :cu_seqlens, tensor), checkpoint_len: 32)
+      assert Nx.shape(checkpoints) == {1, 2, 3, 2}
+
+      naive = fn lo, hi ->
+        piece = fn t, axis -> Nx.slice_along_axis(t, lo, hi - lo, axis: axis) end
+
+        naive_scan(
+          %{ops | u: piece.(ops.u, 2), delta: piece.(ops.delta, 2), b: piece.(ops.b, 3), c: piece.(ops.c, 3)},
+          false
+        )
+      end
+
+      {_, final0, _} = naive.(0, 32)
+      {_, final3, entering3} = naive.(50, 70)
+      zeros = [[0.0, 0.0], [0.0, 0.0]]
+      # [channel][checkpoint][state]: 0 before anything, seq 0's final state, step 64 of seq 3.
+      want =
+        for ch <- 0..1 do
+          [Enum.at(zeros, ch), Enum.at(hd(final0), ch), Enum.at(Enum.at(hd(entering3), ch), 64 - 50)]
+        end
+
+      assert_close(checkpoints, [want])
+      # Sequences 1 (empty) and 2 start from zero: final state 0 and seq 2's own.
+      assert_close(h[1], zeros, 1.0e-6)
+      assert_close(h[3], hd(final3))
+    end
+
+    test "gradients through the packed backward match finite differences" do
+      ops = packed_ops(80)
+      cu = Nx.tensor(@cu, type: :s32)
+      w = normal(90, {1, 4, 9})
+      v = normal(91, {4, 4, 3})
+
+      loss = fn t ->
+        {out, h} =
+          XlaSsm.selective_scan(t.u, t.delta, t.a, t.b, t.c,
+            d: t.d,
+            z: t.z,
+            delta_bias: t.delta_bias,
+            initial_state: t.initial_state,
+            cu_seqlens: cu,
+            delta_softplus: true,
+            return_final_state: true
+          )
+
+        Nx.add(Nx.sum(Nx.multiply(out, w)), Nx.sum(Nx.multiply(h, v)))
+      end
+
+      # Steps on both sides of boundaries, each sequence's initial state (the empty one's too).
+      entries = [
+        u: [0, 1, 2],
+        u: [0, 3, 3],
+        u: [0, 0, 8],
+        delta: [0, 2, 6],
+        delta: [0, 1, 7],
+        a: [2, 1],
+        b: [0, 1, 1, 3],
+        c: [0, 0, 2, 7],
+        d: [3],
+        z: [0, 2, 5],
+        delta_bias: [1],
+        initial_state: [0, 3, 1],
+        initial_state: [1, 2, 0],
+        initial_state: [2, 0, 2],
+        initial_state: [3, 1, 1]
+      ]
+
+      check_finite_differences(loss, ops, entries)
+    end
+
+    test "concrete bad boundaries and non-integer ones raise" do
+      ops = packed_ops(100)
+
+      for bad <- [[1, 3, 3, 7, 9], [0, 3, 2, 7, 9], [0, 3, 3, 7, 8], [0, 3, 3, 7, 10]] do
+        assert_raise ArgumentError, ~r/cu_seqlens must start at 0, never decrease and end at seqlen \(= 9\)/, fn ->
+          XlaSsm.selective_scan(ops.u, ops.delta, ops.a, ops.b, ops.c, cu_seqlens: Nx.tensor(bad))
+        end
+      end
+
+      assert_raise ArgumentError, ~r/cu_seqlens must be integers/, fn ->
+        XlaSsm.selective_scan(ops.u, ops.delta, ops.a, ops.b, ops.c, cu_seqlens: Nx.tensor([0.0, 9.0]))
+      end
+
+      # Shapes are XlaSsm.Spec's: initial states per sequence.
+      assert_raise ArgumentError, ~r/operand `initial_state` must have shape \{4, 4, 3\}/, fn ->
+        XlaSsm.selective_scan(ops.u, ops.delta, ops.a, ops.b, ops.c,
+          cu_seqlens: Nx.tensor(@cu),
+          initial_state: normal(1, {1, 4, 3})
+        )
+      end
+    end
+  end
+
   # d loss / d ops[key][index] by the custom gradient against central differences.
   defp check_finite_differences(loss, ops, entries, eps \\ 1.0e-2) do
     got = Nx.Defn.jit(fn t -> Nx.Defn.grad(t, loss) end).(ops)
@@ -589,6 +775,30 @@ defmodule XlaSsm.NxTest do
 
     assert {"xla_ssm_selective_scan_bwd", {"checkpoint_len", "32 : i64"}} in targets
     assert {"xla_ssm_selective_scan_fwd", {"checkpoint_len", "32 : i64"}} in targets
+
+    # Packed: cu_seqlens is the forward's last operand and goes to the backward as well.
+    packed = scan_ops(122, 1, 8, 64, 16, 1)
+    cu = Nx.tensor([0, 10, 64], type: :s32)
+
+    packed_blocks =
+      blocks(
+        fn u, delta, a, b, c, cu ->
+          Nx.Defn.grad(u, fn u -> Nx.sum(XlaSsm.selective_scan(u, delta, a, b, c, cu_seqlens: cu)) end)
+        end,
+        [packed.u, packed.delta, packed.a, packed.b, packed.c, cu]
+      )
+
+    packed_calls =
+      for [tag, in_args, out, _] <- packed_blocks do
+        call = Block.spec(tag, in_args)
+        assert :ok = Block.check_output!(call, out)
+        assert {"has_cu_seqlens", "true"} in call.attributes
+        assert {"final_state", {2, 8, 16}, {:f, 32}} in call.results or call.target =~ "bwd"
+        {call.target, Enum.map(call.operands, &elem(&1, 0))}
+      end
+
+    assert {"xla_ssm_selective_scan_bwd", ~w(u delta A B C cu_seqlens checkpoints dout)} in packed_calls
+    assert {"xla_ssm_selective_scan_fwd", ~w(u delta A B C cu_seqlens)} in packed_calls
   end
 
   test "the EXLA.CustomCall implementation (against a stand-in of EXLA's protocol where EXLA is absent)" do

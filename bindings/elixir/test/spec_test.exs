@@ -20,6 +20,19 @@ defmodule XlaSsm.SpecTest do
     }
   end
 
+  # Three sequences packed along seqlen of one batch row.
+  defp packed_ops do
+    %{
+      u: t({1, 8, 64}, :f32),
+      delta: t({1, 8, 64}, :f32),
+      a: t({8, 16}, :f32),
+      b: t({1, 1, 16, 64}, :f32),
+      c: t({1, 1, 16, 64}, :f32),
+      initial_state: t({3, 8, 16}, :f32),
+      cu_seqlens: t({4}, :s32)
+    }
+  end
+
   defp ssd_ops(type \\ :f32) do
     %{
       x: t({2, 77, 4, 16}, type),
@@ -158,6 +171,59 @@ defmodule XlaSsm.SpecTest do
       end
     end
 
+    test "packed sequences: cu_seqlens after initial_state, one state per sequence, has_cu_seqlens only then" do
+      ops = packed_ops()
+      call = Spec.selective_scan_fwd(ops, checkpoint_len: 32)
+      assert names(call.operands) == ~w(u delta A B C initial_state cu_seqlens)
+      assert {"cu_seqlens", {4}, {:s, 32}} in call.operands
+      assert {"has_cu_seqlens", "true"} in call.attributes
+      assert List.last(call.attributes) == {"checkpoint_len", "32 : i64"}
+
+      assert call.results == [
+               {"out", {1, 8, 64}, {:f, 32}},
+               {"final_state", {3, 8, 16}, {:f, 32}},
+               {"checkpoints", {1, 8, 2, 16}, {:f, 32}}
+             ]
+
+      # The workspace depends on the shape only, as without packing.
+      assert call.workspace_bytes == Workspace.selective_scan_fwd_bytes(1, 8, 64, 16)
+
+      # Without cu_seqlens (or with nil) the call is the unpacked one, attribute and all.
+      unpacked = ops |> Map.delete(:cu_seqlens) |> Map.put(:initial_state, t({1, 8, 16}, :f32))
+      plain = Spec.selective_scan_fwd(unpacked)
+      refute Enum.any?(plain.attributes, fn {name, _} -> name == "has_cu_seqlens" end)
+      assert Spec.selective_scan_fwd(Map.put(unpacked, :cu_seqlens, nil)) == plain
+      assert {"final_state", {1, 8, 16}, {:f, 32}} in plain.results
+      # Packed without initial states: final_state still has one row per sequence.
+      no_h0 = Spec.selective_scan_fwd(Map.delete(ops, :initial_state), layout: "bdl")
+      assert names(no_h0.operands) == ~w(u delta A B C cu_seqlens)
+      assert {"final_state", {3, 8, 16}, {:f, 32}} in no_h0.results
+      assert {"has_initial_state", "false"} in no_h0.attributes
+    end
+
+    test "bad cu_seqlens and states of packed calls raise naming the operand" do
+      bad = [
+        {%{packed_ops() | cu_seqlens: t({4}, :f32)}, ~r/operand `cu_seqlens` must be s32, got f32/},
+        {%{packed_ops() | cu_seqlens: t({4, 1}, :s32)}, ~r/operand `cu_seqlens` must have rank 1/},
+        {%{packed_ops() | cu_seqlens: t({0}, :s32)}, ~r/operand `cu_seqlens` .* at least one boundary/},
+        {%{
+           packed_ops()
+           | u: t({2, 8, 64}, :f32),
+             delta: t({2, 8, 64}, :f32),
+             b: t({2, 1, 16, 64}, :f32),
+             c: t({2, 1, 16, 64}, :f32)
+         }, ~r/operand `cu_seqlens`: .*u's batch must be 1, got 2/},
+        {%{packed_ops() | initial_state: t({1, 8, 16}, :f32)},
+         ~r/operand `initial_state` must have shape \{3, 8, 16\} \(num_seqs, dim, dstate\)/},
+        {%{packed_ops() | cu_seqlens: t({2}, :s32)}, ~r/operand `initial_state` must have shape \{1, 8, 16\}/},
+        {%{packed_ops() | cu_seqlens: {{4}, :f64}}, ~r/operand :cu_seqlens: unsupported type/}
+      ]
+
+      for {ops, message} <- bad do
+        assert_raise ArgumentError, message, fn -> Spec.selective_scan_fwd(ops) end
+      end
+    end
+
     test "bad options raise" do
       assert_raise ArgumentError, ~r/:checkpoint_len must be 0 \(none\) or a positive multiple of 32/, fn ->
         Spec.selective_scan_fwd(scan_ops(), checkpoint_len: 48)
@@ -201,6 +267,43 @@ defmodule XlaSsm.SpecTest do
       with_dfinal = Spec.selective_scan_bwd(Map.put(ops, :dfinal_state, t({2, 8, 16}, :f32)), checkpoint_len: 32)
       assert List.last(names(with_dfinal.operands)) == "dfinal_state"
       assert {"has_dfinal_state", "true"} in with_dfinal.attributes
+    end
+
+    test "packed: cu_seqlens before the cotangents, no gradient of it, states per sequence" do
+      ops =
+        packed_ops()
+        |> Map.merge(%{
+          checkpoints: t({1, 8, 2, 16}, :f32),
+          dout: t({1, 8, 64}, :f32),
+          dfinal_state: t({3, 8, 16}, :f32)
+        })
+
+      call = Spec.selective_scan_bwd(ops, checkpoint_len: 32)
+      assert names(call.operands) == ~w(u delta A B C initial_state cu_seqlens checkpoints dout dfinal_state)
+      assert names(call.results) == ~w(du ddelta dA dB dC dinitial_state workspace)
+      assert {"dinitial_state", {3, 8, 16}, {:f, 32}} in call.results
+      assert {"has_cu_seqlens", "true"} in call.attributes
+      assert {"has_dfinal_state", "true"} in call.attributes
+      assert call.workspace_bytes == Workspace.selective_scan_bwd_bytes(1, 8, 64, 16, 1)
+
+      assert_raise ArgumentError,
+                   ~r/operand `dfinal_state` must have shape \{3, 8, 16\} \(num_seqs, dim, dstate\)/,
+                   fn ->
+                     Spec.selective_scan_bwd(%{ops | dfinal_state: t({1, 8, 16}, :f32)}, checkpoint_len: 32)
+                   end
+
+      # Checkpoints stay per batch row (one), not per sequence.
+      assert_raise ArgumentError, ~r/operand `checkpoints` must have shape \{1, 8, 2, 16\}/, fn ->
+        Spec.selective_scan_bwd(%{ops | checkpoints: t({3, 8, 2, 16}, :f32)}, checkpoint_len: 32)
+      end
+
+      unpacked =
+        ops |> Map.drop([:cu_seqlens, :dfinal_state]) |> Map.put(:initial_state, t({1, 8, 16}, :f32))
+
+      refute Enum.any?(
+               Spec.selective_scan_bwd(unpacked, checkpoint_len: 32).attributes,
+               &(elem(&1, 0) == "has_cu_seqlens")
+             )
     end
 
     test "checkpoints must match checkpoint_len, which is required" do

@@ -46,6 +46,23 @@ impl Rng {
     }
 }
 
+/// Boundaries of `num_seqs` sequences packed along `seqlen` (docs/selective_scan_fwd.md, "Packed
+/// sequences"): 0 first, non-decreasing, `seqlen` last, cut at random; with two sequences or more,
+/// one of them is empty.
+pub fn random_cu_seqlens(rng: &mut Rng, num_seqs: usize, seqlen: usize) -> Vec<i32> {
+    if num_seqs == 0 {
+        return vec![0];
+    }
+    let mut cu: Vec<i32> = (1..num_seqs).map(|_| (rng.next_u64() % (seqlen as u64 + 1)) as i32).collect();
+    cu.extend([0, seqlen as i32]);
+    cu.sort_unstable();
+    if num_seqs >= 2 {
+        let j = 1 + (rng.next_u64() % (num_seqs as u64 - 1)) as usize;
+        cu[j] = cu[j - 1];
+    }
+    cu
+}
+
 // ---------------------------------------------------------------------------------------------
 // Element types.
 

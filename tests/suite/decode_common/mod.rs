@@ -608,25 +608,3 @@ pub fn check(what: &str, case: &dyn std::fmt::Debug, results: &[Vec<u8>], wants:
         crate::common::assert_close(&format!("{what}: {}", w.name), case, &got, &w.values, w.tol);
     }
 }
-
-// ---------------------------------------------------------------------------------------------
-// Packed sequences
-
-/// `n` valid boundaries of packed sequences over `seqlen` steps (0 first, `seqlen` last,
-/// non-decreasing), with an empty first and a length-1 last sequence where there are 3 or more.
-pub fn packed_boundaries(rng: &mut Rng, n: usize, seqlen: i32) -> Vec<i32> {
-    let mut cu: Vec<i32> = (0..n).map(|_| (rng.next_u64() % (seqlen as u64 + 1)) as i32).collect();
-    cu.sort_unstable();
-    if n >= 4 {
-        cu[1] = 0;
-        cu[n - 2] = (seqlen - 1).max(0);
-        cu.sort_unstable();
-    }
-    if let Some(first) = cu.first_mut() {
-        *first = 0;
-    }
-    if let Some(last) = cu.last_mut() {
-        *last = seqlen;
-    }
-    cu
-}

@@ -50,6 +50,13 @@ defmodule XlaSsm.Block do
   """
   @spec run(struct, [Nx.Tensor.t()]) :: %{String.t() => Nx.Tensor.t()}
   def run(tag, args) do
+    # Inside defn Nx.block takes expressions only; an argument from outside the traced function
+    # (boundaries a closure holds, say) becomes a constant of the expression.
+    args =
+      if Enum.any?(args, &match?(%Nx.Tensor{data: %Nx.Defn.Expr{}}, &1)),
+        do: Enum.map(args, &Nx.Defn.Expr.tensor/1),
+        else: args
+
     call = spec(tag, args)
     templates = Enum.map(call.results, fn {_, shape, type} -> Nx.template(shape, type) end)
     output = if length(templates) == 1, do: hd(templates), else: List.to_tuple(templates)

@@ -9,6 +9,11 @@ defmodule XlaSsm.Reference do
   Nx backend (the sequence recurrences are `while` loops), and inside `defn` they are what EXLA
   compiles where it has no custom call (`EXLA.CustomCall` returns `:skip`).
 
+  Packed sequences (`cu_seqlens`) follow the boundary rule of docs/selective_scan_fwd.md at every
+  step: the loops look the boundaries up as tensors, so they need no concrete values and trace
+  inside `defn` as they run eagerly. An unpacked call is one sequence `[0, seqlen)` per batch row.
+  The boundaries are not checked here (the CPU target does).
+
   The backward targets ignore the forward's residuals (checkpoints, chunk_states) and recompute:
   the selective scan's and SSD's run the backward recurrence of docs/selective_scan_bwd.md over
   the recomputed states (written out: Nx 0.13's `grad` through a `while` loop that slices at its
@@ -65,15 +70,16 @@ defmodule XlaSsm.Reference do
     raw = if bias = ops[:delta_bias], do: Nx.add(raw, Nx.reshape(f32(bias), {1, dim, 1})), else: raw
     dt = if opts[:delta_softplus], do: softplus(raw), else: raw
     {b_seq, c_seq} = {bc_seq(ops.b, bld, dim, dstate), bc_seq(ops.c, bld, dim, dstate)}
-    h0 = if h = ops[:initial_state], do: f32(h), else: Nx.broadcast(Nx.tensor(0.0), {batch, dim, dstate})
-    {ys, history} = scan_history(dt, u, a, b_seq, c_seq, h0)
+    seqs = sequences(ops, batch, dim, dstate, Nx.axis_size(u, 2))
+    {ys, history} = scan_history(dt, u, a, b_seq, c_seq, seqs.h_init, seqs.cu, seqs.h0s)
     dout = dout |> f32() |> to_bdl.()
     y_pre = if d = ops[:d], do: Nx.add(ys, Nx.multiply(Nx.reshape(f32(d), {1, dim, 1}), u)), else: ys
     z = if z = ops[:z], do: z |> f32() |> to_bdl.()
     dy = if z, do: Nx.multiply(dout, silu(z)), else: dout
-    g_final = if dfinal, do: f32(dfinal), else: Nx.broadcast(Nx.tensor(0.0), {batch, dim, dstate})
+    g_finals = if dfinal, do: to_rows(f32(dfinal), seqs), else: Nx.broadcast(Nx.tensor(0.0), seqs.h0s)
 
-    {du, ddt, da, db, dc, g0} = scan_reverse(dt, u, a, b_seq, c_seq, h0, history, dy, g_final)
+    {du, ddt, da, db, dc, g0} = scan_reverse(dt, u, a, b_seq, c_seq, seqs.cu, seqs.h0s, history, dy, g_finals)
+    g0 = from_rows(g0, seqs)
     du = if d = ops[:d], do: Nx.add(du, Nx.multiply(Nx.reshape(f32(d), {1, dim, 1}), dy)), else: du
     ddelta = if opts[:delta_softplus], do: Nx.multiply(ddt, Nx.sigmoid(raw)), else: ddt
 
@@ -106,19 +112,21 @@ defmodule XlaSsm.Reference do
 
   # The forward, keeping every step's state: ({batch, dim, seqlen} y, {batch, dim, seqlen,
   # dstate} states after each step).
-  defnp scan_history(dt, u, a, b_seq, c_seq, h0) do
+  defnp scan_history(dt, u, a, b_seq, c_seq, h_init, cu, h0s) do
     ys = Nx.broadcast(0.0, u)
-    history = history_buffer(h0, u)
+    history = history_buffer(h_init, u)
     seqlen = Nx.axis_size(u, 2)
 
-    {_i, _h, ys, history, _dt, _u, _a, _b, _c} =
-      while {i = 0, h = h0, ys, history, dt, u, a, b_seq, c_seq}, i < seqlen do
+    {_i, _h, ys, history, _} =
+      while {i = 0, h = h_init, ys, history, {dt, u, a, b_seq, c_seq, cu, h0s}}, i < seqlen do
+        {s, first, _last} = sequence_at(cu, i)
+        h = Nx.select(first, seq_row(h0s, s), h)
         dt_l = step(dt, i)
         h = Nx.exp(Nx.new_axis(dt_l, 2) * a) * h + Nx.new_axis(dt_l * step(u, i), 2) * bc_step(b_seq, i, h)
         y_l = Nx.sum(h * bc_step(c_seq, i, h), axes: [2])
         ys = Nx.put_slice(ys, [0, 0, i], Nx.new_axis(y_l, 2))
         history = Nx.put_slice(history, [0, 0, i, 0], Nx.new_axis(h, 2))
-        {i + 1, h, ys, history, dt, u, a, b_seq, c_seq}
+        {i + 1, h, ys, history, {dt, u, a, b_seq, c_seq, cu, h0s}}
       end
 
     {ys, history}
@@ -131,24 +139,31 @@ defmodule XlaSsm.Reference do
 
   # Steps l = seqlen - 1 .. 0 with g = dL/dh[l] (docs/selective_scan_bwd.md):
   #   g = a[l+1] g[l+1] + C[l] dy[l];  du = sum_n g dt B;  ddt = sum_n g (B u + A a[l] h[l-1]);
-  #   dA += g a[l] h[l-1] dt;  dB += g dt u;  dC += dy h[l];  finally dinitial_state = a[0] g[0].
-  defnp scan_reverse(dt, u, a, b_seq, c_seq, h0, history, dy, g_final) do
+  #   dA += g a[l] h[l-1] dt;  dB += g dt u;  dC += dy h[l];  dinitial_state = a[l] g[l] at a
+  #   sequence's first step l. A sequence's last step starts from its final state's cotangent
+  #   (g_finals, rows like h0s) instead of the next step's: no gradient crosses a boundary. An
+  #   empty sequence's dinitial_state is its dfinal_state (the rows start as g_finals).
+  defnp scan_reverse(dt, u, a, b_seq, c_seq, cu, h0s, history, dy, g_finals) do
     seqlen = Nx.axis_size(u, 2)
     zeros = Nx.broadcast(0.0, u)
     da = Nx.broadcast(0.0, a)
     db = Nx.broadcast(0.0, b_seq)
     dc = Nx.broadcast(0.0, c_seq)
+    like_h = history_step(history, 0)
 
-    {_i, carry, du, ddt, da, db, dc, _} =
-      while {i = 0, carry = g_final, du = zeros, ddt = zeros, da, db, dc, {dt, u, a, b_seq, c_seq, h0, history, dy}},
+    {_i, _carry, g0, du, ddt, da, db, dc, _} =
+      while {i = 0, carry = Nx.broadcast(0.0, like_h), g0 = g_finals, du = zeros, ddt = zeros, da, db, dc,
+             {dt, u, a, b_seq, c_seq, cu, h0s, history, dy, g_finals}},
             i < seqlen do
         l = seqlen - 1 - i
+        {s, first, last} = sequence_at(cu, l)
+        carry = Nx.select(last, seq_row(g_finals, s), carry)
         dt_l = step(dt, l)
         u_l = step(u, l)
-        b_l = bc_step(b_seq, l, h0)
-        c_l = bc_step(c_seq, l, h0)
         h_l = history_step(history, l)
-        h_prev = Nx.select(l == 0, h0, history_step(history, Nx.max(l - 1, 0)))
+        b_l = bc_step(b_seq, l, h_l)
+        c_l = bc_step(c_seq, l, h_l)
+        h_prev = Nx.select(first, seq_row(h0s, s), history_step(history, Nx.max(l - 1, 0)))
         decay = Nx.exp(Nx.new_axis(dt_l, 2) * a)
         g = carry + c_l * Nx.new_axis(step(dy, l), 2)
         du = Nx.put_slice(du, [0, 0, l], Nx.new_axis(Nx.sum(g * b_l, axes: [2]) * dt_l, 2))
@@ -157,10 +172,12 @@ defmodule XlaSsm.Reference do
         da = da + Nx.sum(g * decay * h_prev * Nx.new_axis(dt_l, 2), axes: [0])
         db = bc_accumulate(db, g * Nx.new_axis(dt_l * u_l, 2), l)
         dc = bc_accumulate(dc, Nx.new_axis(step(dy, l), 2) * h_l, l)
-        {i + 1, decay * g, du, ddt, da, db, dc, {dt, u, a, b_seq, c_seq, h0, history, dy}}
+        carry = decay * g
+        g0 = Nx.select(first, Nx.put_slice(g0, [s, 0, 0, 0], Nx.new_axis(carry, 0)), g0)
+        {i + 1, carry, g0, du, ddt, da, db, dc, {dt, u, a, b_seq, c_seq, cu, h0s, history, dy, g_finals}}
       end
 
-    {du, ddt, da, db, dc, carry}
+    {du, ddt, da, db, dc, g0}
   end
 
   deftransformp history_step(history, l) do
@@ -195,40 +212,96 @@ defmodule XlaSsm.Reference do
     dt = if bias = ops[:delta_bias], do: Nx.add(dt, Nx.reshape(f32(bias), {1, dim, 1})), else: dt
     dt = if opts[:delta_softplus], do: softplus(dt), else: dt
 
-    h0 = if h = ops[:initial_state], do: f32(h), else: Nx.broadcast(Nx.tensor(0.0), {batch, dim, dstate})
+    seqs = sequences(ops, batch, dim, dstate, seqlen)
     n_checkpoints = Spec.n_checkpoints(seqlen, checkpoint_len)
+    {b_seq, c_seq} = {bc_seq(ops.b, bld, dim, dstate), bc_seq(ops.c, bld, dim, dstate)}
 
-    {ys, h, checkpoints} =
-      scan_loop(dt, u, a, bc_seq(ops.b, bld, dim, dstate), bc_seq(ops.c, bld, dim, dstate), h0,
+    {ys, finals, checkpoints} =
+      scan_loop(dt, u, a, b_seq, c_seq, seqs.h_init, seqs.cu, seqs.h0s,
         checkpoint_len: checkpoint_len,
         n_checkpoints: n_checkpoints
       )
 
     y = if d = ops[:d], do: Nx.add(ys, Nx.multiply(Nx.reshape(f32(d), {1, dim, 1}), u)), else: ys
     y = if z = ops[:z], do: Nx.multiply(y, silu(z |> f32() |> to_bdl.())), else: y
-    {to_bdl.(y), h, if(checkpoint_len > 0, do: checkpoints, else: nil)}
+    {to_bdl.(y), from_rows(finals, seqs), if(checkpoint_len > 0, do: checkpoints, else: nil)}
   end
 
-  # h = exp(dt A) h + dt u B; y = <C, h>, one step per iteration. Every tensor the body reads is
-  # carried in the loop state.
-  defnp scan_loop(dt, u, a, b_seq, c_seq, h0, opts \\ []) do
+  # The sequences a call scans. Unpacked: one, [0, seqlen), of every batch row; packed (batch 1):
+  # those of cu_seqlens. `h0s` holds the initial states as rows {sequences, batch, dim, dstate};
+  # `h_init` is the state before the rule at step 0, which checkpoint 0 holds: 0 for a packed scan
+  # (as the library's), the initial state for an unpacked one (which the rule then sets again).
+  defp sequences(ops, batch, dim, dstate, seqlen) do
+    zeros = fn rows -> Nx.broadcast(Nx.tensor(0.0), {rows, dim, dstate}) end
+
+    case ops[:cu_seqlens] do
+      nil ->
+        h0 = if h = ops[:initial_state], do: f32(h), else: zeros.(batch)
+        %{packed: false, cu: Nx.tensor([0, seqlen], type: {:s, 32}), h0s: Nx.new_axis(h0, 0), h_init: h0}
+
+      cu ->
+        h0 = if h = ops[:initial_state], do: f32(h), else: zeros.(Nx.axis_size(cu, 0) - 1)
+        %{packed: true, cu: Nx.as_type(cu, {:s, 32}), h0s: Nx.new_axis(h0, 1), h_init: zeros.(batch)}
+    end
+  end
+
+  # Rows {sequences, batch, dim, dstate} to the states' shape and back: (batch, dim, dstate)
+  # unpacked, (num_seqs, dim, dstate) packed.
+  defp from_rows(rows, %{packed: true}), do: Nx.squeeze(rows, axes: [1])
+  defp from_rows(rows, %{packed: false}), do: Nx.squeeze(rows, axes: [0])
+  defp to_rows(states, %{packed: true}), do: Nx.new_axis(states, 1)
+  defp to_rows(states, %{packed: false}), do: Nx.new_axis(states, 0)
+
+  # The sequence s that holds step i (the last one that starts at or before it: empty ones hold no
+  # step), whether i is its first step and whether it is its last. Bad boundaries give some s in
+  # range, never an error.
+  deftransformp sequence_at(cu, i) do
+    n = Nx.axis_size(cu, 0) - 1
+
+    s =
+      cu
+      |> Nx.slice([0], [n])
+      |> Nx.less_equal(i)
+      |> Nx.sum()
+      |> Nx.as_type({:s, 32})
+      |> Nx.subtract(1)
+      |> Nx.clip(0, n - 1)
+
+    at = fn k -> cu |> Nx.slice([k], [1]) |> Nx.squeeze() end
+    {s, Nx.equal(at.(s), i), Nx.equal(at.(Nx.add(s, 1)), Nx.add(i, 1))}
+  end
+
+  # Row s of {sequences, batch, dim, dstate}: (batch, dim, dstate).
+  deftransformp seq_row(rows, s) do
+    {_, batch, dim, dstate} = Nx.shape(rows)
+    rows |> Nx.slice([s, 0, 0, 0], [1, batch, dim, dstate]) |> Nx.squeeze(axes: [0])
+  end
+
+  # h = exp(dt A) h + dt u B; y = <C, h>, one step per iteration, the boundary rule before each
+  # step and a sequence's final state after its last. Every tensor the body reads is carried in
+  # the loop state.
+  defnp scan_loop(dt, u, a, b_seq, c_seq, h_init, cu, h0s, opts \\ []) do
     ys = Nx.broadcast(0.0, u)
-    checkpoints = checkpoint_buffer(h0, opts)
+    checkpoints = checkpoint_buffer(h_init, opts)
     seqlen = Nx.axis_size(u, 2)
 
-    {_i, h, ys, checkpoints, _dt, _u, _a, _b, _c} =
-      while {i = 0, h = h0, ys, checkpoints, dt, u, a, b_seq, c_seq}, i < seqlen do
+    {_i, _h, ys, finals, checkpoints, _} =
+      while {i = 0, h = h_init, ys, finals = h0s, checkpoints, {dt, u, a, b_seq, c_seq, cu, h0s}}, i < seqlen do
+        # Before the rule: a checkpoint is the state entering its step as the backward applies it.
         checkpoints = save_checkpoint(checkpoints, h, i, opts)
+        {s, first, last} = sequence_at(cu, i)
+        h = Nx.select(first, seq_row(h0s, s), h)
         dt_l = step(dt, i)
         b_l = bc_step(b_seq, i, h)
         c_l = bc_step(c_seq, i, h)
         h = Nx.exp(Nx.new_axis(dt_l, 2) * a) * h + Nx.new_axis(dt_l * step(u, i), 2) * b_l
         y_l = Nx.sum(h * c_l, axes: [2])
         ys = Nx.put_slice(ys, [0, 0, i], Nx.new_axis(y_l, 2))
-        {i + 1, h, ys, checkpoints, dt, u, a, b_seq, c_seq}
+        finals = Nx.select(last, Nx.put_slice(finals, [s, 0, 0, 0], Nx.new_axis(h, 0)), finals)
+        {i + 1, h, ys, finals, checkpoints, {dt, u, a, b_seq, c_seq, cu, h0s}}
       end
 
-    {ys, h, checkpoints}
+    {ys, finals, checkpoints}
   end
 
   # x[:, :, i] of a (batch, dim, seqlen) tensor.

@@ -76,7 +76,15 @@ defmodule XlaSsm.Spec do
 
   Operands: `:u`, `:delta` (T = f32, bf16 or f16; `(batch, dim, seqlen)`, or `(batch, seqlen,
   dim)` with layout "bld"), `:a` `(dim, dstate)` f32, `:b`, `:c` (time-varying, rank 4, or
-  `(dim, dstate)`; f32 or T), optional `:d`, `:z`, `:delta_bias`, `:initial_state`.
+  `(dim, dstate)`; f32 or T), optional `:d`, `:z`, `:delta_bias`, `:initial_state`,
+  `:cu_seqlens`.
+
+  Packed sequences (docs/selective_scan_fwd.md, "Packed sequences"): `:cu_seqlens` `{num_seqs +
+  1}` s32 holds the boundaries of `num_seqs` sequences laid one after another along seqlen of a
+  batch-1 input; `initial_state` and `final_state` are then `(num_seqs, dim, dstate)`, and the
+  call carries `has_cu_seqlens = true` (a call without it carries no such attribute). Only the
+  shapes are checked here; the values (0 first, non-decreasing, seqlen last) are the caller's
+  (the CPU target refuses bad ones, the CUDA target cannot see them).
 
   Options: `:delta_softplus` (false), `:layout` ("bdl"), `:checkpoint_len` (0: no checkpoints;
   else a positive multiple of 32, adding the `checkpoints` result), `:workspace` (true).
@@ -90,28 +98,29 @@ defmodule XlaSsm.Spec do
     opts =
       validate_opts!(op, opts, delta_softplus: false, layout: "bdl", checkpoint_len: 0, workspace: true)
 
-    ops = operands!(op, operands, [:u, :delta, :a, :b, :c], [:d, :z, :delta_bias, :initial_state])
+    ops = operands!(op, operands, [:u, :delta, :a, :b, :c], [:d, :z, :delta_bias, :initial_state, :cu_seqlens])
     s = check_scan_inputs!(op, ops, opts)
     ck = opts[:checkpoint_len]
     check_checkpoint_len!(op, ck, true)
 
     results =
-      [{"out", s.u_shape, s.t}, {"final_state", {s.batch, s.dim, s.dstate}, @f32}] ++
+      [{"out", s.u_shape, s.t}, {"final_state", s.state_shape, @f32}] ++
         if(ck > 0, do: [{"checkpoints", {s.batch, s.dim, n_checkpoints(s.seqlen, ck), s.dstate}, @f32}], else: [])
 
     attrs =
       scan_attrs(opts, s.present) ++
-        if(ck > 0, do: [{"checkpoint_len", Attr.i64(ck)}], else: [])
+        packed_attrs(s) ++ if(ck > 0, do: [{"checkpoint_len", Attr.i64(ck)}], else: [])
 
     ws = Workspace.selective_scan_fwd_bytes(s.batch, s.dim, s.seqlen, s.dstate)
-    build("xla_ssm_selective_scan_fwd", s.operands, results, attrs, ws, opts[:workspace])
+    build("xla_ssm_selective_scan_fwd", s.operands ++ s.cu_seqlens, results, attrs, ws, opts[:workspace])
   end
 
   @doc """
   `xla_ssm_selective_scan_bwd` (docs/selective_scan_bwd.md).
 
   Operands: the forward's, then `:checkpoints` (from a forward with the same `checkpoint_len`),
-  `:dout` (like u) and optional `:dfinal_state` `(batch, dim, dstate)` f32.
+  `:dout` (like u) and optional `:dfinal_state` `(batch, dim, dstate)` f32 (`(num_seqs, dim,
+  dstate)` with `:cu_seqlens`, which gets no gradient).
 
   Options: `:delta_softplus`, `:layout`, `:checkpoint_len` (required: a positive multiple of 32),
   `:workspace` (true).
@@ -131,7 +140,7 @@ defmodule XlaSsm.Spec do
         op,
         operands,
         [:u, :delta, :a, :b, :c, :checkpoints, :dout],
-        [:d, :z, :delta_bias, :initial_state, :dfinal_state]
+        [:d, :z, :delta_bias, :initial_state, :cu_seqlens, :dfinal_state]
       )
 
     s = check_scan_inputs!(op, ops, opts)
@@ -143,17 +152,17 @@ defmodule XlaSsm.Spec do
 
     {dfinal, has_dfinal} =
       optional(ops, :dfinal_state, fn ->
-        expect!(op, ops, :dfinal_state, "dfinal_state", {s.batch, s.dim, s.dstate}, [@f32], "(batch, dim, dstate)")
+        expect!(op, ops, :dfinal_state, "dfinal_state", s.state_shape, [@f32], s.state_meaning)
       end)
 
-    operands = s.operands ++ [checkpoints, dout] ++ dfinal
-    # Gradients have their primal's shape and type.
+    operands = s.operands ++ s.cu_seqlens ++ [checkpoints, dout] ++ dfinal
+    # Gradients have their primal's shape and type; the boundaries have none.
     grad_names = ~w(du ddelta dA dB dC) ++ present_names(s.present, ~w(dD dz ddelta_bias dinitial_state))
     results = Enum.zip_with(grad_names, s.operands, fn name, {_, shape, type} -> {name, shape, type} end)
 
     attrs =
       scan_attrs(opts, s.present) ++
-        [{"checkpoint_len", Attr.i64(ck)}, {"has_dfinal_state", Attr.bool(has_dfinal)}]
+        packed_attrs(s) ++ [{"checkpoint_len", Attr.i64(ck)}, {"has_dfinal_state", Attr.bool(has_dfinal)}]
 
     groups = if s.time_varying, do: s.groups, else: 0
     ws = Workspace.selective_scan_bwd_bytes(s.batch, s.dim, s.seqlen, s.dstate, groups)
@@ -170,6 +179,10 @@ defmodule XlaSsm.Spec do
       {"layout", Attr.string(opts[:layout])}
     ]
   end
+
+  # Only packed calls carry the attribute: the calls without it stay those of older libraries.
+  defp packed_attrs(%{cu_seqlens: []}), do: []
+  defp packed_attrs(_s), do: [{"has_cu_seqlens", Attr.bool(true)}]
 
   defp check_checkpoint_len!(op, ck, allow_zero) do
     ok = is_integer(ck) and ((allow_zero and ck == 0) or (ck > 0 and rem(ck, 32) == 0))
@@ -267,9 +280,20 @@ defmodule XlaSsm.Spec do
     {bias, has_bias} =
       optional(ops, :delta_bias, fn -> expect!(op, ops, :delta_bias, "delta_bias", {dim}, [@f32], "(dim)") end)
 
+    # The library's order: the boundaries before the states they size.
+    {cu, _} = optional(ops, :cu_seqlens, fn -> cu_seqlens!(op, ops, batch) end)
+
+    {state_rows, state_meaning} =
+      case cu do
+        [] -> {batch, "(batch, dim, dstate)"}
+        [{_, {n}, _}] -> {n - 1, "(num_seqs, dim, dstate) (packed sequences)"}
+      end
+
+    state_shape = {state_rows, dim, dstate}
+
     {h0, has_h0} =
       optional(ops, :initial_state, fn ->
-        expect!(op, ops, :initial_state, "initial_state", {batch, dim, dstate}, [@f32], "(batch, dim, dstate)")
+        expect!(op, ops, :initial_state, "initial_state", state_shape, [@f32], state_meaning)
       end)
 
     %{
@@ -281,9 +305,32 @@ defmodule XlaSsm.Spec do
       time_varying: time_varying,
       t: t,
       u_shape: u_shape,
+      state_shape: state_shape,
+      state_meaning: state_meaning,
+      # The differentiable operands; `cu_seqlens` follows them in a call.
       operands: [u, delta, a, b, c] ++ d ++ z ++ bias ++ h0,
+      cu_seqlens: cu,
       present: %{d: has_d, z: has_z, delta_bias: has_bias, initial_state: has_h0}
     }
+  end
+
+  # `cu_seqlens` of a packed call: s32 `{num_seqs + 1}` along seqlen of a batch-1 input.
+  defp cu_seqlens!(op, ops, batch) do
+    {shape, type} = desc(ops, :cu_seqlens)
+    rank!(op, "cu_seqlens", shape, 1, "(num_seqs + 1) [boundaries]")
+    type!(op, "cu_seqlens", type, [{:s, 32}])
+
+    unless elem(shape, 0) >= 1 do
+      raise ArgumentError,
+            "#{op}: operand `cu_seqlens` must have shape (num_seqs + 1) with at least one boundary, got #{fmt(shape)}"
+    end
+
+    unless batch == 1 do
+      raise ArgumentError,
+            "#{op}: operand `cu_seqlens`: packed sequences lie along seqlen of one batch row: u's batch must be 1, got #{batch}"
+    end
+
+    {"cu_seqlens", shape, type}
   end
 
   ## ------------------------------------------------------------------------------ SSD
@@ -641,7 +688,7 @@ defmodule XlaSsm.Spec do
     {cu, rows} = conv_cu_seqlens(op, ops, s)
     {h0, has_h0} = conv_initial_states(op, ops, s, rows)
     operands = [s.x, s.weight] ++ s.bias ++ h0 ++ cu
-    attrs = conv_attrs(opts, s.has_bias) ++ [{"has_initial_states", Attr.bool(has_h0)}] ++ packed_attr(cu)
+    attrs = conv_attrs(opts, s.has_bias) ++ [{"has_initial_states", Attr.bool(has_h0)}] ++ packed_attrs(%{cu_seqlens: cu})
     build("xla_ssm_causal_conv1d_fwd", operands, [{"out", s.x_shape, s.t}], attrs, 0, false)
   end
 
@@ -661,7 +708,7 @@ defmodule XlaSsm.Spec do
     {h0, has_h0} = conv_initial_states(op, ops, s, rows)
     operands = [s.x, s.weight, dout] ++ s.bias ++ h0 ++ cu
     results = Enum.map([s.x, s.weight] ++ s.bias ++ h0, fn {name, shape, type} -> {"d" <> name, shape, type} end)
-    attrs = conv_attrs(opts, s.has_bias) ++ [{"has_initial_states", Attr.bool(has_h0)}] ++ packed_attr(cu)
+    attrs = conv_attrs(opts, s.has_bias) ++ [{"has_initial_states", Attr.bool(has_h0)}] ++ packed_attrs(%{cu_seqlens: cu})
     build("xla_ssm_causal_conv1d_bwd", operands, results, attrs, 0, false)
   end
 
@@ -777,10 +824,6 @@ defmodule XlaSsm.Spec do
         {[entry], elem(shape, 0) - 1}
     end
   end
-
-  # The attribute is optional (absent: false): only packed calls carry it.
-  defp packed_attr([]), do: []
-  defp packed_attr([_]), do: [{"has_cu_seqlens", Attr.bool(true)}]
 
   defp conv_state!(op, ops, key, name, s, has_ix) do
     {shape, _} = desc(ops, key)

@@ -141,6 +141,54 @@ defmodule XlaSsm.Test.Fixture do
       dout: bld.({2, 16, 100}, :bf16)
     }
 
+    # Packed sequences (batch 1, cu_seqlens): states are (num_seqs, dim, dstate). dim != seqlen, so
+    # that reading a call in the other layout never fits.
+    packed_fwd_f32 = %{
+      u: bdl.({1, 8, 100}, :f32),
+      delta: bdl.({1, 8, 100}, :f32),
+      a: t({8, 16}, :f32),
+      b: t({1, 2, 16, 100}, :f32),
+      c: t({1, 2, 16, 100}, :f32),
+      d: t({8}, :f32),
+      initial_state: t({4, 8, 16}, :f32),
+      cu_seqlens: t({5}, :s32)
+    }
+
+    packed_fwd_bf16 = %{
+      u: bld.({1, 16, 90}, :bf16),
+      delta: bld.({1, 16, 90}, :bf16),
+      a: t({16, 8}, :f32),
+      b: t({1, 90, 1, 8}, :bf16),
+      c: t({1, 90, 1, 8}, :bf16),
+      z: bld.({1, 16, 90}, :bf16),
+      delta_bias: t({16}, :f32),
+      cu_seqlens: t({4}, :s32)
+    }
+
+    packed_bwd_f32 =
+      %{packed_fwd_f32 | u: bld.({1, 8, 100}, :f32), delta: bld.({1, 8, 100}, :f32)}
+      |> Map.merge(%{
+        b: t({1, 100, 2, 16}, :f32),
+        c: t({1, 100, 2, 16}, :f32),
+        delta_bias: t({8}, :f32),
+        checkpoints: t({1, 8, 4, 16}, :f32),
+        dout: bld.({1, 8, 100}, :f32),
+        dfinal_state: t({4, 8, 16}, :f32)
+      })
+
+    packed_bwd_bf16_ti = %{
+      u: bdl.({1, 16, 90}, :bf16),
+      delta: bdl.({1, 16, 90}, :bf16),
+      a: t({16, 8}, :f32),
+      b: t({16, 8}, :bf16),
+      c: t({16, 8}, :bf16),
+      z: bdl.({1, 16, 90}, :bf16),
+      initial_state: t({3, 16, 8}, :f32),
+      cu_seqlens: t({4}, :s32),
+      checkpoints: t({1, 16, 3, 8}, :f32),
+      dout: bdl.({1, 16, 90}, :bf16)
+    }
+
     [
       {"scan_fwd_f32_bdl_minimal", Spec.selective_scan_fwd(f32_tv)},
       {"scan_fwd_f32_bdl_softplus_checkpoints",
@@ -154,7 +202,15 @@ defmodule XlaSsm.Test.Fixture do
       {"scan_bwd_f32_bdl_all_optional", Spec.selective_scan_bwd(bwd_f32, delta_softplus: true, checkpoint_len: 32)},
       {"scan_bwd_bf16_bld_time_invariant", Spec.selective_scan_bwd(bwd_bf16_ti, layout: "bld", checkpoint_len: 64)},
       {"scan_bwd_bf16_bld_time_invariant_no_workspace",
-       Spec.selective_scan_bwd(bwd_bf16_ti, layout: "bld", checkpoint_len: 64, workspace: false)}
+       Spec.selective_scan_bwd(bwd_bf16_ti, layout: "bld", checkpoint_len: 64, workspace: false)},
+      {"scan_fwd_f32_bdl_packed_initial_states_checkpoints",
+       Spec.selective_scan_fwd(packed_fwd_f32, delta_softplus: true, checkpoint_len: 32)},
+      {"scan_fwd_bf16_bld_packed_checkpoints",
+       Spec.selective_scan_fwd(packed_fwd_bf16, layout: "bld", checkpoint_len: 32)},
+      {"scan_bwd_f32_bld_packed_initial_and_final_states",
+       Spec.selective_scan_bwd(packed_bwd_f32, layout: "bld", delta_softplus: true, checkpoint_len: 32)},
+      {"scan_bwd_bf16_bdl_packed_time_invariant_initial_states",
+       Spec.selective_scan_bwd(packed_bwd_bf16_ti, checkpoint_len: 32)}
     ]
   end
 
