@@ -82,6 +82,22 @@ if [ "$mode" != time ]; then
   run fwd_check check 1 32 520 256 bld 0 2 64 1      # 32 threads a channel, channel-last, 2 chunks
   run fwd_check check 8 3712 64 16 bld 0 0 32 1      # a grid large enough for one thread a channel (auto)
   run fwd_check check 1 4096 3072 16 bdl 0 0 32 1    # split into 384-step chunks: first pass at 2 threads, second at 1
+  # packed sequences (last argument: how many; batch 1): empty and length-1 sequences, boundaries on
+  # chunk and checkpoint edges, off tile edges and at seqlen, against each sequence scanned alone
+  #               batch dim seqlen dstate layout tpc chunks checkpoint_len h0 seqs
+  run fwd_check check 1 64 1000 16 bdl 0 0 0 1 9       # the launcher's split (11 chunks of 96)
+  run fwd_check check 1 64 1000 16 bdl 0 0 32 0 40     # split, checkpoints, many short sequences, no initial state
+  run fwd_check check 1 64 1000 16 bdl 0 1 64 1 40     # unsplit, checkpoints
+  run fwd_check check 1 136 520 13 bld 0 3 64 1 12     # channel-last, odd dstate, partial channel tile, 3 chunks
+  run fwd_check check 1 96 1000 32 bld 0 0 32 1 7      # 4 threads a channel, split
+  run fwd_check check 1 128 160 64 bdl 0 1 32 1 6      # 8 threads a channel
+  run fwd_check check 1 64 96 128 bld 0 2 32 1 5       # 16 threads a channel, B/C as vectors, 2 chunks
+  run fwd_check check 1 40 1000 200 bdl 0 0 32 1 17    # 32 threads a channel, partial states, split
+  run fwd_check check 1 64 256 16 bdl 2 4 32 1 1       # one sequence: as unpacked
+  run fwd_check check 1 64 0 16 bdl 0 0 0 1 3          # seqlen 0: every sequence empty
+  run fwd_check check 1 4096 3072 16 bdl 0 0 32 1 50   # split into 384-step chunks (two threads a channel)
+  run fwd_check check 1 64 1000 16 bdl 0 0 32 1 -9     # invalid boundaries: no fault (also under compute-sanitizer)
+  run fwd_check check 1 64 200 64 bld 0 2 0 1 -30
 
   section "bwd_check: the selective scan backward (kernels/selective_scan_bwd.cu), kernel and both reductions:" \
     "every gradient against a double-precision reverse recurrence"
