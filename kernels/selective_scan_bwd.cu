@@ -259,8 +259,8 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
         valid[k] = active && n < N;
         A[k] = valid[k] ? p.A[d * N + n] : 0.f;
         a2[k] = A[k] * kLog2e;
-        // Packed: 0, for the backward's rule at seqlen.
-        g[k] = !kPacked && valid[k] && q.dfinal_state ? q.dfinal_state[(b * p.dim + d) * N + n] : 0.f;
+        if constexpr (kPacked) g[k] = 0.f;  // for the backward's rule at seqlen
+        else g[k] = valid[k] && q.dfinal_state ? q.dfinal_state[(b * p.dim + d) * N + n] : 0.f;
         dA[k] = 0.f;
         if constexpr (!kVaryingBC) {
             b_inv[k] = valid[k] ? to_f32(B_g[bc_base + n * p.bc_stride_state]) : 0.f;
@@ -698,15 +698,18 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                     float Bt[K], Ct[K];
                     load_bc(t, Bt, Ct, true);
                     float y2[2] = {0.f, 0.f};  // two sums: shorter dependency chains
-                    float h_in[K];  // the state entering the step (after the forward's rule)
+                    // Packed: the state entering the step, after the forward's rule. (Unpacked
+                    // kernels keep their own expression: the copy changed their register allocation.)
+                    float h_in[K];
+                    if constexpr (kPacked) {
 #pragma unroll
-                    for (int k = 0; k < K; ++k) h_in[k] = i ? hp[i - 1][k] : hs[k];
-                    if constexpr (kPacked)
+                        for (int k = 0; k < K; ++k) h_in[k] = i ? hp[i - 1][k] : hs[k];
                         if ((mask >> t) & 1u) start_state(t, h_in);
+                    }
 #pragma unroll
                     for (int k = 0; k < K; ++k) {
                         ap[i][k] = ex2_ftz(dt * a2[k]);
-                        hp[i][k] = fmaf(ap[i][k], h_in[k], dtu * Bt[k]);
+                        hp[i][k] = fmaf(ap[i][k], kPacked ? h_in[k] : i ? hp[i - 1][k] : hs[k], dtu * Bt[k]);
                         y2[k % 2] = fmaf(Ct[k], hp[i][k], y2[k % 2]);
                     }
                     y_part[i] = y2[0] + y2[1];
@@ -736,15 +739,16 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                     float Bt[K], Ct[K], db[K], dc[K];
                     load_bc(t, Bt, Ct, true);
                     float ddt_a[2] = {0.f, 0.f}, gb2[2] = {0.f, 0.f};  // sum_n A w, sum_n g B
-                    float h_in[K];  // h[l-1], after the forward's rule (packed: reloaded, not kept)
+                    float h_in[K];  // packed: h[l-1] after the forward's rule (reloaded, not kept)
+                    if constexpr (kPacked) {
 #pragma unroll
-                    for (int k = 0; k < K; ++k) h_in[k] = i ? hp[i - 1][k] : hs[k];
-                    if constexpr (kPacked)
+                        for (int k = 0; k < K; ++k) h_in[k] = i ? hp[i - 1][k] : hs[k];
                         if ((mask >> t) & 1u) start_state(t, h_in);
+                    }
 #pragma unroll
                     for (int k = 0; k < K; ++k) {
                         const float gk = fmaf(Ct[k], dy, g[k]);
-                        const float w = gk * ap[i][k] * h_in[k];  // g a h[l-1]
+                        const float w = gk * ap[i][k] * (kPacked ? h_in[k] : i ? hp[i - 1][k] : hs[k]);  // g a h[l-1]
                         ddt_a[k % 2] = fmaf(A[k], w, ddt_a[k % 2]);
                         gb2[k % 2] = fmaf(gk, Bt[k], gb2[k % 2]);
                         dA[k] = fmaf(w, dt, dA[k]);
@@ -870,7 +874,8 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
         const int64_t at = (z * BD + row) * N + n0 + (k ^ perm);
         dA_part[at] = dA[k];
         // (Packed: written by the backward's rule at each sequence's start.)
-        if (!kPacked && q.dinitial_state && z == 0) q.dinitial_state[row * N + n0 + (k ^ perm)] = g[k];
+        if constexpr (!kPacked)
+            if (q.dinitial_state && z == 0) q.dinitial_state[row * N + n0 + (k ^ perm)] = g[k];
         if constexpr (!kVaryingBC) {
             dB_part[at] = db_inv[k];
             dC_part[at] = dc_inv[k];
