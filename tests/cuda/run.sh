@@ -129,6 +129,21 @@ if [ "$mode" != time ]; then
   # dstate 64 and 128 with 2-byte B/C staged in vectors (their swizzled shared rows)
   run bwd_check check 2 128 160 64 1 bdl bf16 32 1 1 1 1 1 1
   run bwd_check check 1 64 96 128 2 bld bf16 32 1 1 1 1 1 1
+  # packed sequences (the _packed kernels, batch 1; last argument: sequences), against each sequence's
+  # backward alone: boundaries on and off part, checkpoint, tile and piece edges, empty and length-1
+  # sequences, at seqlen; NaN checkpoints at boundaries, NaN-filled dinitial_state rows
+  #               batch dim seqlen dstate groups layout dtype ckl z D bias sp h0 dfin seqs
+  run bwd_check check 1 64 300 16 1 bdl f32 32 1 1 1 1 1 1 12             # split: 10 parts of one chunk
+  SSB_PARTS=1 run bwd_check check 1 64 300 16 1 bdl f32 32 1 1 1 1 1 1 12 # unsplit
+  SSB_PARTS=3 run bwd_check check 1 64 500 16 1 bld f32 64 1 1 1 1 1 1 20 # 3 parts of 3 two-tile chunks
+  run bwd_check check 1 130 333 16 1 bdl bf16 96 1 1 1 1 1 1 30           # three-tile chunks, a partial channel tile
+  run bwd_check check 1 96 200 16 0 bdl f32 64 1 0 1 0 1 0 9              # time-invariant B/C, no dfinal_state
+  run bwd_check check 1 96 200 16 4 bld bf16 32 0 1 0 1 0 1 9             # groups, no initial state
+  run bwd_check check 1 40 150 64 2 bdl f32 32 1 1 1 1 1 1 200            # more sequences than steps (8 threads a channel)
+  run bwd_check check 1 20 90 200 1 bld f32 32 1 1 1 1 1 1 15             # 32 threads a channel, partial states
+  run bwd_check check 1 64 2000 16 1 bdl bf16 32 1 1 1 1 1 1 3            # long sequences, tiles copied ahead
+  run bwd_check check 1 64 0 16 1 bdl f32 32 1 1 1 1 1 1 3                # seqlen 0: every sequence empty
+  run bwd_check check 1 64 300 16 1 bdl f32 32 1 1 1 1 1 1 -40            # invalid boundaries: stays in bounds (sanitizer)
 
   for v in ssd_fwd_check ssd_fwd_check_sync; do
     [[ " ${builds[*]} " == *" $v "* ]] || continue
@@ -203,6 +218,7 @@ if [ "$mode" != check ]; then
   run bwd_check time 8 4096 2048 16 1 bdl bf16 64 1 1 1 1 0 0
   run bwd_check time 8 4096 2048 16 1 bld bf16 64 1 1 1 1 0 0
   run bwd_check time 1 1536 2048 16 1 bdl bf16 32 1 1 1 1 0 0
+  run bwd_check time 1 1536 2048 16 1 bdl bf16 32 1 1 1 1 0 0 16   # the same packed in 16 sequences
   run bwd_check time 8 4096 2048 16 0 bdl bf16 64 1 1 1 1 0 0
   run bwd_check time 8 4096 2048 64 1 bdl bf16 32 1 1 1 1 0 0
   run ssd_fwd_check time 8 2048 64 1 128 bf16 256 1 0 1 1 0 0 0
