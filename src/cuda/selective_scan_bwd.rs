@@ -60,7 +60,6 @@ fn raw_tile_bytes(bwd: &Bwd, threads_per_channel: i64) -> u32 {
 
 pub fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
     let p = &bwd.params().fwd;
-    super::refuse_packed("selective_scan_bwd", !p.cu_seqlens.is_null())?;
     let layout = bwd_layout(p.batch, p.dim, p.seqlen, p.dstate, bwd.groups(), p.checkpoint_len);
     let needed = layout.floats * 4;
     if needed > 0 && (p.workspace.is_null() || bwd.workspace_bytes() < needed) {
