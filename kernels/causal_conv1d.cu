@@ -35,8 +35,8 @@ __device__ __forceinline__ int64_t xi(const ConvParams& p, int64_t b, int64_t d,
     return b * p.x_stride_batch + d * p.x_stride_dim + t * p.x_stride_seq;
 }
 
-// The sequence a step belongs to: steps [start, end) of the row, its initial state row `row`. Without
-// packing, the whole row b.
+// Packed sequences (batch 1): the sequence a step belongs to, steps [start, end), its initial state
+// row `row`.
 struct Seq {
     int64_t start, end, row;
 };
@@ -50,9 +50,7 @@ __device__ __forceinline__ Seq packed_seq(const ConvParams& p, int64_t s) {
     return {start, end, s};
 }
 
-template <bool kPacked>
-__device__ __forceinline__ Seq seq_at(const ConvParams& p, int64_t b, int64_t t) {
-    if (!kPacked) return {0, p.seqlen, b};
+__device__ __forceinline__ Seq seq_at(const ConvParams& p, int64_t t) {
     int64_t lo = 0, hi = p.num_seqs - 1;
     while (lo < hi) {
         const int64_t mid = (lo + hi + 1) / 2;
@@ -67,8 +65,18 @@ __device__ __forceinline__ Seq seq_at(const ConvParams& p, int64_t b, int64_t t)
     return q;
 }
 
-// x at step s of row (b, d), s in [q.start - (width - 1), seqlen): before q.start, the initial state
-// or 0.
+// x at step s of row (b, d), s in [-(width - 1), seqlen): before 0, the initial state or 0.
+// (The unpacked kernels keep their own copies of xpad, pre_act and grad_pre: going through a Seq of
+// the whole row gave them other code, 3% slower in the conv backward.)
+template <typename T>
+__device__ __forceinline__ float xpad(const ConvParams& p, int64_t b, int64_t d, int64_t s) {
+    if (s >= 0) return ld<T>(p.x, xi(p, b, d, s));
+    if (!p.initial_states) return 0.f;
+    return ld<T>(p.initial_states, (b * p.dim + d) * (p.width - 1) + p.width - 1 + s);
+}
+
+// Packed: x at step s of sequence q, s in [q.start - (width - 1), seqlen): before q.start, its
+// initial state or 0.
 template <typename T>
 __device__ __forceinline__ float xpad(const ConvParams& p, const Seq& q, int64_t b, int64_t d, int64_t s) {
     if (s >= q.start) return ld<T>(p.x, xi(p, b, d, s));
@@ -83,7 +91,15 @@ __device__ __forceinline__ float load_weights(const ConvParams& p, int64_t d, fl
     return p.bias ? ld<WT>(p.bias, d) : 0.f;
 }
 
-// t in [q.start, seqlen).
+template <typename T>
+__device__ __forceinline__ float pre_act(const ConvParams& p, const float (&w)[4], float bias, int64_t b, int64_t d,
+                                         int64_t t) {
+    float acc = bias;
+    for (int k = 0; k < p.width; ++k) acc = fmaf(w[k], xpad<T>(p, b, d, t - (p.width - 1) + k), acc);
+    return acc;
+}
+
+// Packed: t in [q.start, seqlen).
 template <typename T>
 __device__ __forceinline__ float pre_act(const ConvParams& p, const float (&w)[4], float bias, const Seq& q, int64_t b,
                                          int64_t d, int64_t t) {
@@ -99,6 +115,13 @@ __device__ __forceinline__ float silu_grad(float x) {
 
 // dout times the activation's derivative at step t.
 template <typename T>
+__device__ __forceinline__ float grad_pre(const ConvParams& p, const float (&w)[4], float bias, int64_t b, int64_t d,
+                                          int64_t t) {
+    const float g = ld<T>(p.dout, xi(p, b, d, t));
+    return p.silu ? g * silu_grad(pre_act<T>(p, w, bias, b, d, t)) : g;
+}
+
+template <typename T>
 __device__ __forceinline__ float grad_pre(const ConvParams& p, const float (&w)[4], float bias, const Seq& q, int64_t b,
                                           int64_t d, int64_t t) {
     const float g = ld<T>(p.dout, xi(p, b, d, t));
@@ -113,7 +136,11 @@ __device__ __forceinline__ void fwd(const ConvParams p) {
     coords(p, i, p.seqlen, b, d, t);
     float w[4];
     const float bias = load_weights<WT>(p, d, w);
-    const float v = pre_act<T>(p, w, bias, seq_at<kPacked>(p, b, t), b, d, t);
+    float v;
+    if constexpr (kPacked)
+        v = pre_act<T>(p, w, bias, seq_at(p, t), b, d, t);
+    else
+        v = pre_act<T>(p, w, bias, b, d, t);
     st<T>(p.out, xi(p, b, d, t), p.silu ? silu(v) : v);
 }
 
@@ -141,7 +168,11 @@ __device__ __forceinline__ void bwd_dx(const ConvParams p) {
     if (s < 0 && !p.dinitial_states) return;
     float w[4];
     const float bias = load_weights<WT>(p, d, w);
-    const float acc = dx_at<T>(p, w, bias, seq_at<false>(p, b, 0), b, d, s);
+    float acc = 0.f;
+    for (int k = 0; k < p.width; ++k) {
+        const int64_t t = s + p.width - 1 - k;
+        if (t >= 0 && t < p.seqlen) acc = fmaf(w[k], grad_pre<T>(p, w, bias, b, d, t), acc);
+    }
     if (s >= 0)
         st<T>(p.out, xi(p, b, d, s), acc);
     else
@@ -159,7 +190,7 @@ __device__ __forceinline__ void bwd_dx_packed(const ConvParams p) {
     Seq q;
     if (i < n_dx) {
         coords(p, i, p.seqlen, b, d, s);
-        q = seq_at<true>(p, b, s);
+        q = seq_at(p, s);
     } else {
         int64_t j = i - n_dx;
         const int64_t r = j % k;
@@ -191,10 +222,16 @@ __device__ __forceinline__ void bwd_dw(const ConvParams p) {
     float acc[5] = {0.f, 0.f, 0.f, 0.f, 0.f};
     for (int64_t j = threadIdx.x; j < p.batch * p.seqlen; j += kReduceThreads) {
         const int64_t b = j / p.seqlen, t = j - b * p.seqlen;
-        const Seq q = seq_at<kPacked>(p, b, t);
-        const float g = grad_pre<T>(p, w, bias, q, b, d, t);
-        for (int k = 0; k < p.width; ++k) acc[k] = fmaf(g, xpad<T>(p, q, b, d, t - (p.width - 1) + k), acc[k]);
-        acc[4] += g;
+        if constexpr (kPacked) {
+            const Seq q = seq_at(p, t);
+            const float g = grad_pre<T>(p, w, bias, q, b, d, t);
+            for (int k = 0; k < p.width; ++k) acc[k] = fmaf(g, xpad<T>(p, q, b, d, t - (p.width - 1) + k), acc[k]);
+            acc[4] += g;
+        } else {
+            const float g = grad_pre<T>(p, w, bias, b, d, t);
+            for (int k = 0; k < p.width; ++k) acc[k] = fmaf(g, xpad<T>(p, b, d, t - (p.width - 1) + k), acc[k]);
+            acc[4] += g;
+        }
     }
 #pragma unroll
     for (int k = 0; k < 5; ++k) part[k][threadIdx.x] = acc[k];

@@ -5,11 +5,13 @@
 #   bash tests/cuda/run.sh [check|time|all]
 # check (the default): every correctness matrix; exits 1 if any build or case fails.
 # time: CUDA-event timings of the benchmark shapes (kernel level; BENCHMARKS.md, "Method").
+# build: the binaries only (build while the GPU does something else, then run with
+#   TESTS_CUDA_REUSE=1, which keeps binaries already built).
 # Binaries and logs go to $OUT/tests_cuda (the device tool's folder) or /tmp/tests_cuda.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 mode="${1:-check}"
-case "$mode" in check | time | all) ;; *) echo "usage: $0 [check|time|all]" >&2; exit 2 ;; esac
+case "$mode" in check | time | all | build) ;; *) echo "usage: $0 [check|time|all|build]" >&2; exit 2 ;; esac
 nvcc="${NVCC:-nvcc}"
 bin="${OUT:-/tmp}/tests_cuda"
 mkdir -p "$bin"
@@ -29,6 +31,7 @@ build() {
   local name=$1 src=$2 a=$3
   shift 3
   builds+=("$name")
+  [ -n "${TESTS_CUDA_REUSE:-}" ] && [ -x "$bin/$name" ] && return
   "$nvcc" -O3 -std=c++17 -gencode=arch=compute_$a,code=sm_$a "$@" -o "$bin/$name" "tests/cuda/$src" >"$bin/$name.build.log" 2>&1 &
 }
 build fwd_check fwd_check.cu "$arch"
@@ -53,6 +56,7 @@ for b in "${builds[@]}"; do
   fi
 done
 
+[ "$mode" = build ] && { echo "built: ${builds[*]}; ${#failed[@]} failed"; [ ${#failed[@]} -eq 0 ]; exit; }
 cases=0
 run() {  # run BINARY ARGS...: one case; a failure is counted, not fatal
   local exe=$1
@@ -213,6 +217,8 @@ if [ "$mode" != check ]; then
   run fwd_check time 16 5120 2048 16 bdl
   run fwd_check time 1 4096 16384 16 bdl
   run fwd_check time 1 1536 2048 16 bdl
+  run fwd_check time 1 4096 16384 16 bld                  # packed, below: against this
+  run fwd_check time 1 4096 16384 16 bld 0 0 0 0 8        # the same tokens packed in 8 sequences
   run fwd_check time 8 4096 2048 64 bdl
   run bwd_check time 8 4096 2048 16 1 bdl bf16 32 1 1 1 1 0 0
   run bwd_check time 8 4096 2048 16 1 bdl bf16 64 1 1 1 1 0 0

@@ -267,7 +267,7 @@ impl Packed {
             let (b, d, t, n) = (1, dim as i64, seqlen, n as i64);
             (
                 xla_ssm_selective_scan_fwd_workspace_bytes(b, d, t, n),
-                xla_ssm_selective_scan_bwd_workspace_bytes(b, d, t, n, CHECKPOINT_LEN),
+                xla_ssm_selective_scan_bwd_workspace_bytes(b, d, t, n, self.groups as i64),
             )
         } else {
             (0, 0)
