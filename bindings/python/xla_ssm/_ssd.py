@@ -180,12 +180,12 @@ def _psum_axes(call: _Call, role, plan):
 _LETTERS = {"x": "b l h p", "dt": "b l h", "bc": "b l g n", "param": "h p", "state": "b h p n", "chunk": "b h p k n"}
 
 
-def _factors(call: _Call, role, ndim):
+def _factors(call: _Call, role, shape):
     if role == "cu":
         return "c"
     if role == "state" and call.cfg.packed:  # rows are sequences, not batch entries
         return "s h p n"
-    return " ".join(_LETTERS[role].split()[:ndim])
+    return " ".join(_LETTERS[role].split()[: len(shape)])
 
 
 # Batch and heads (groups) pass through; seqlen, headdim, dstate, the chunk axis, and packed
