@@ -26,9 +26,10 @@ def mesh():
     return Mesh(np.array(devices[:8]).reshape(2, 4), ("a", "l"))
 
 
-def long_collectives(hlo, seqlen):
-    """Collectives whose result has an axis of the sequence's length or of its checkpoint count."""
-    lengths = {seqlen, -(-seqlen // xla_ssm.CHECKPOINT_LEN)}
+def long_collectives(hlo, seqlen, interval=xla_ssm.CHECKPOINT_LEN):
+    """Collectives whose result has an axis of the sequence's length or of its count of checkpoint
+    intervals (SSD: chunks)."""
+    lengths = {seqlen, -(-seqlen // interval)}
     found = []
     for line in hlo.splitlines():
         m = COLLECTIVE.search(line)
@@ -122,3 +123,66 @@ def test_uneven_shards_are_gathered(mesh):
     for k in arrays:
         assert_close(f"d{k}", ours[k], want[k], GRAD_TOL[F32])
     assert long_collectives(g.lower(placed).compile().as_text(), 100)
+
+
+# ---------------------------------------------------------------------------------------- SSD
+SSD_CASES = [  # (id, batch, seqlen, heads, groups, chunk, make_case options, dtype, batch, heads, seqlen axes)
+    ("l4-batch-a", 2, 384, 4, 2, 32, dict(d=2), F32, "a", None, "l"),
+    ("l4-heads-a", 1, 768, 4, 2, 64, dict(h0=False), F32, None, "a", "l"),
+    ("l8-bare", 1, 512, 2, 1, 32, dict(d=0, z=False, bias=False, h0=False), F32, None, None, ("a", "l")),
+    ("l4-bf16-tensor-core", 2, 768, 2, 1, 64, {}, BF16, "a", None, "l"),
+]
+SSD_PARAMS = pytest.mark.parametrize(
+    "batch,seqlen,heads,groups,chunk,opts,dtype,bax,hax,lax", [c[1:] for c in SSD_CASES], ids=[c[0] for c in SSD_CASES]
+)
+
+
+def place_ssd(mesh, arrays, bspec, hspec, lspec):
+    x = P(bspec, lspec, hspec, None)
+    specs = {"x": x, "z": x, "dt": P(bspec, lspec, hspec), "A": P(hspec), "dt_bias": P(hspec), "D": P(hspec),
+             "B": P(bspec, lspec, None, None), "C": P(bspec, lspec, None, None),
+             "initial_states": P(bspec, hspec, None, None)}  # fmt: skip
+    return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in arrays.items()}, specs
+
+
+@SSD_PARAMS
+def test_ssd_forward_and_gradients(mesh, batch, seqlen, heads, groups, chunk, opts, dtype, bax, hax, lax):
+    import test_ssd_jax as s
+
+    headdim, dstate = (64, 64) if dtype == BF16 else (4, 8)  # bf16 64 x 64: the tensor-core kernels' shape
+    kw = s.make_case(310, batch, seqlen, heads, headdim, dstate, groups, dtype=dtype, **opts)
+    arrays = {k: v for k, v in kw.items() if k in s.ARRAYS}
+    static = dict(chunk_size=chunk, dt_softplus=True)
+    placed, specs = place_ssd(mesh, arrays, bax, hax, lax)
+    f = jax.jit(lambda a: xla_ssm.ssd(**a, **static, return_final_states=True))
+    y, st = f(placed)
+    want_y, want_st = xla_ssm.ssd(**arrays, **static, return_final_states=True)
+    s.assert_close("y", y, want_y, s.Y_TOL[dtype])
+    s.assert_close("final_states", st, want_st, s.STATE_TOL[dtype])
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, specs["x"]), 4), y.sharding
+    assert not long_collectives(f.lower(placed).compile().as_text(), seqlen, chunk)
+
+    w, v = s.cotangents(3, kw, dtype)
+    w_placed = jax.device_put(w, NamedSharding(mesh, specs["x"]))
+    g = jax.jit(lambda a, w: jax.grad(s.loss_fn(xla_ssm.ssd, static, w, v))(a))
+    ours, want = g(placed, w_placed), jax.grad(s.loss_fn(xla_ssm.ssd, static, w, v))(arrays)
+    for k in arrays:
+        s.assert_close(f"d{k}", ours[k], want[k], s.GRAD_TOL[dtype])
+    hlo = g.lower(placed, w_placed).compile().as_text()
+    assert not long_collectives(hlo, seqlen, chunk), long_collectives(hlo, seqlen, chunk)
+
+
+def test_long_sequence_example():
+    """examples/long_sequence.py (the README's): runs on 8 CPU devices and matches one device."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "long_sequence.py"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run([sys.executable, str(example)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    losses = [float(x) for x in re.findall(r"loss ([-\d.e+]+)", run.stdout)]
+    assert len(losses) == 2 and abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1]), run.stdout
+    assert "y sharded as P(None, 'seq')" in run.stdout, run.stdout
