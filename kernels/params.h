@@ -140,6 +140,10 @@ typedef struct ConvParams {
   int64_t x_stride_seq;
   int32_t silu;
   int32_t _reserved;
+  // fwd / bwd: (num_seqs + 1) boundaries of packed sequences along seqlen (batch 1), or null.
+  // initial_states and dinitial_states then have num_seqs rows.
+  const int32_t *cu_seqlens;
+  int64_t num_seqs;
 } ConvParams;
 
 // Kernel parameters of the fused step; generated into kernels/params.h.

@@ -16,6 +16,57 @@ __device__ __forceinline__ int64_t checkpoint_count(const SelectiveScanFwdParams
     return p.checkpoint_len > 0 ? (p.seqlen + p.checkpoint_len - 1) / p.checkpoint_len : 0;
 }
 
+// Packed sequences (cu_seqlens non-null, batch 1): boundary s in [0, num_seqs], clamped to
+// [0, seqlen], so that values the host could not check still give positions inside the sequence.
+__device__ __forceinline__ int64_t seq_boundary(const SelectiveScanFwdParams& p, int64_t s) {
+    return min(max(int64_t(__ldg(p.cu_seqlens + s)), int64_t(0)), p.seqlen);
+}
+
+// The first s >= from with seq_boundary(s) >= l (num_seqs + 1: none): steps doubling from `from`,
+// then bisection, so O(log) of the distance (a block's next boundary is usually near the last one).
+// Stays inside [from, num_seqs + 1] whatever the values (from <= num_seqs + 1).
+__device__ __forceinline__ int64_t first_boundary_at_or_after(const SelectiveScanFwdParams& p, int64_t l,
+                                                              int64_t from = 0) {
+    int64_t lo = from, hi = from;  // boundaries [from, lo) are below l
+    for (int64_t step = 1;; step *= 2) {
+        if (hi > p.num_seqs) {
+            hi = p.num_seqs + 1;
+            break;
+        }
+        if (seq_boundary(p, hi) >= l) break;
+        lo = hi + 1;
+        hi = lo + step;
+    }
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (seq_boundary(p, mid) < l) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+// Position of boundary s, or INT64_MAX past the last.
+__device__ __forceinline__ int64_t boundary_or_none(const SelectiveScanFwdParams& p, int64_t s) {
+    return s <= p.num_seqs ? seq_boundary(p, s) : INT64_MAX;
+}
+
+// The forward's rule at position l (before step l's update; l = seqlen: after the last step), for
+// every boundary from s on at or before l (only at l when cu_seqlens is valid), in ascending order:
+// end(s - 1) (final_state[s - 1] = h) for s >= 1, then start(s) (h = initial_state[s] or 0) for
+// s < num_seqs. Advances s past them and returns the position of the next boundary (INT64_MAX:
+// none). `<= l` rather than `== l`: decreasing values are applied late, never skipped.
+template <typename End, typename Start>
+__device__ __forceinline__ int64_t cross_boundaries(const SelectiveScanFwdParams& p, int64_t& s, int64_t l, End end,
+                                                    Start start) {
+    for (; s <= p.num_seqs; ++s) {
+        const int64_t at = seq_boundary(p, s);
+        if (at > l) return at;
+        if (s >= 1) end(s - 1);
+        if (s < p.num_seqs) start(s);
+    }
+    return INT64_MAX;
+}
+
 // Per-step sums over a channel's TPC threads (consecutive lanes, `part` = lane % TPC), G steps at a
 // time, so that each thread finishes some steps instead of every thread summing every step: a
 // reduce-scatter over the first R = min(TPC, G) threads (each round a thread keeps one half of its

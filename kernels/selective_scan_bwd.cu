@@ -140,12 +140,54 @@ __device__ __forceinline__ int reduce_scatter_channels(float (&v)[8], int lane, 
     return count;
 }
 
+// Packed sequences (cu_seqlens, batch 1): the boundaries, cu_seqlens[s] for s in [0, num_seqs],
+// clamped to [0, seqlen] so that values the host could not check still give positions inside the
+// sequence. Every search returns an index in its range whatever the values.
+struct BwdSeqs {
+    const int32_t* cu;
+    int64_t num_seqs, seqlen;
+    __device__ __forceinline__ int64_t at(int64_t s) const {
+        return min(max(int64_t(__ldg(cu + s)), int64_t(0)), seqlen);
+    }
+    // The first s in [lo, hi) with at(s) >= l, else hi: bisection (the lower bound of sorted values).
+    __device__ __forceinline__ int64_t lower_bound(int64_t l, int64_t lo, int64_t hi) const {
+        while (lo < hi) {
+            const int64_t mid = lo + (hi - lo) / 2;
+            if (at(mid) < l) lo = mid + 1;
+            else hi = mid;
+        }
+        return lo;
+    }
+    // The same in [0, hi), galloping down from hi first: a block walks the sequence backwards, and its
+    // next boundary is usually at or next to the last one it found (one load per tile).
+    __device__ __forceinline__ int64_t lower_bound_below(int64_t l, int64_t hi) const {
+        int64_t top = hi, bottom = 0;  // the answer is in [bottom, top]
+        for (int64_t step = 1; top > 0; step *= 2) {
+            const int64_t probe = max(top - step, int64_t(0));
+            if (at(probe) < l) {
+                bottom = probe + 1;
+                break;
+            }
+            top = probe;
+        }
+        return lower_bound(l, bottom, top);
+    }
+};
+// Bytes of the packed kernels' dynamic shared memory after the tile starts: the staged tile's
+// boundary table, int64 [S + 1] (16-byte multiple). Mirror: `SEQ_TABLE_BYTES` in
+// src/cuda/selective_scan_bwd.rs.
+constexpr int kBwdSeqTableBytes = ((32 + 1) * 8 + 15) / 16 * 16;
+
 // kLocal: the first pass of a sequence split (p.n_chunks parts of p.chunk_len steps, a whole number
 // of checkpoint chunks each). Block (tile, b, z) runs the g recurrence alone over part z + 1 from
 // g = 0 and records where it ends (g entering the part before) and the part's sum of dt (its decay
 // of an incoming g, exp(A * sum dt)). Otherwise block (tile, b, z) does part z, starting from the
 // g that the records of the parts after it carry in.
-template <typename T, typename TB, int TPC, bool kVaryingBC, bool kLocal>
+// kPacked: packed sequences (docs/selective_scan_bwd.md, "Packed sequences"). Every channel of a
+// block crosses the same boundaries, so the tests are block-uniform and made a tile at a time: the
+// tile's boundaries go to a table in shared memory (s_seq) and a mask of its steps, and only the
+// pieces (and forward passes) of a tile with a boundary run the steps that apply the rules.
+template <typename T, typename TB, int TPC, bool kVaryingBC, bool kLocal, bool kPacked>
 __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdParams& q) {
     using Sh = BwdShape<TPC>;
     constexpr int K = Sh::K, NMAX = Sh::NMAX, CB = Sh::CB, S = Sh::S, SUB = Sh::SUB, P = Sh::P;
@@ -158,7 +200,8 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
     // The launch sizes shared memory for the chunk's tiles; a mismatch must fail, not corrupt.
     uint32_t shared_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(shared_bytes));
-    const uint32_t base_bytes = (Sh::kTileStart + (p.checkpoint_len + S - 1) / S * Sh::kTileStartFloats) * sizeof(float);
+    const uint32_t tile_bytes = (Sh::kTileStart + (p.checkpoint_len + S - 1) / S * Sh::kTileStartFloats) * sizeof(float);
+    const uint32_t base_bytes = tile_bytes + (kPacked ? kBwdSeqTableBytes : 0);
     if (shared_bytes < base_bytes) __trap();
     using Raw = RawTile<T, TB, TPC, kVaryingBC>;
     uint4* raw = reinterpret_cast<uint4*>(sm) + base_bytes / 16;  // [4][Raw::kX] x, then [2][Raw::kBC] B/C
@@ -216,7 +259,8 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
         valid[k] = active && n < N;
         A[k] = valid[k] ? p.A[d * N + n] : 0.f;
         a2[k] = A[k] * kLog2e;
-        g[k] = valid[k] && q.dfinal_state ? q.dfinal_state[(b * p.dim + d) * N + n] : 0.f;
+        if constexpr (kPacked) g[k] = 0.f;  // for the backward's rule at seqlen
+        else g[k] = valid[k] && q.dfinal_state ? q.dfinal_state[(b * p.dim + d) * N + n] : 0.f;
         dA[k] = 0.f;
         if constexpr (!kVaryingBC) {
             b_inv[k] = valid[k] ? to_f32(B_g[bc_base + n * p.bc_stride_state]) : 0.f;
@@ -403,6 +447,53 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
         for (int k = 0; k < K; ++k) h[k] = fmaf(ex2_ftz(dt * a2[k]), h[k], dtu * Bt[k]);
     };
 
+    // Packed sequences. States and their gradients are (num_seqs, dim, dstate): row s * dim + d.
+    static_assert(S == 32 && (S + 1) * 8 <= kBwdSeqTableBytes, "a tile's steps are the bits of a mask, its table fits");
+    const BwdSeqs seqs{p.cu_seqlens, p.num_seqs, L};
+    int64_t* const s_seq = reinterpret_cast<int64_t*>(reinterpret_cast<char*>(sm) + tile_bytes);
+    auto seq_state = [&](int64_t s, int k) { return (s * p.dim + d) * N + n0 + (k ^ perm); };
+    // The staged tile's boundaries, [s_lo, s_hi) (the first at or after its first step, and after its
+    // last): s_seq[t] = the first at or after step t (t = 0..S; s_hi past the tile's steps), so that
+    // step t crosses s_seq[t] .. s_seq[t + 1] - 1. Written between the barriers around the staging;
+    // false (and nothing written) when there is none.
+    auto find_boundaries = [&](int64_t l0, int steps, int64_t s_lo, int64_t s_hi) {
+        if (s_hi > s_lo && tid <= S)
+            s_seq[tid] = tid == 0 ? s_lo : tid >= steps ? s_hi : seqs.lower_bound(l0 + tid, s_lo, s_hi);
+        return s_hi > s_lo;
+    };
+    // After the barrier: bit t set where step t crosses a boundary (block-uniform).
+    auto boundary_mask = [&](int steps, bool any) -> uint32_t {
+        if (!any) return 0u;
+        return __ballot_sync(0xffffffffu, lane < steps && s_seq[lane + 1] > s_seq[lane]);
+    };
+    // The forward's rule before step t: h = the initial state of the last sequence starting there
+    // (below num_seqs), or 0.
+    auto start_state = [&](int t, float (&h)[K]) {
+        const int64_t s = min(s_seq[t + 1], p.num_seqs) - 1;
+        if (s < s_seq[t]) return;
+#pragma unroll
+        for (int k = 0; k < K; ++k) h[k] = valid[k] && p.initial_state ? p.initial_state[seq_state(s, k)] : 0.f;
+    };
+    // The backward's rule at a position, for its boundaries s = hi - 1 down to lo: the sequence
+    // starting there takes g as its initial state's gradient (when `write`), then g becomes the
+    // final-state cotangent of the one before (or 0). True when g was replaced.
+    auto cross_back = [&](int64_t lo, int64_t hi, bool write) {
+        bool replaced = false;
+        for (int64_t s = hi - 1; s >= lo; --s) {
+            if (write && s < p.num_seqs && q.dinitial_state) {
+#pragma unroll
+                for (int k = 0; k < K; ++k)
+                    if (valid[k]) q.dinitial_state[seq_state(s, k)] = g[k];
+            }
+            if (s >= 1) {
+#pragma unroll
+                for (int k = 0; k < K; ++k) g[k] = valid[k] && q.dfinal_state ? q.dfinal_state[seq_state(s - 1, k)] : 0.f;
+                replaced = true;
+            }
+        }
+        return replaced;
+    };
+
     // The workspace (BwdLayout in src/ops/selective_scan/mod.rs): dB and dC partials (per block and
     // step when time-varying, else per part and row), per-part-and-row dA, dD and ddelta_bias
     // partials, then the split's records [n_split - 1][batch][dim][dstate + 1].
@@ -425,38 +516,80 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
 
     if constexpr (kLocal) {
         float dt_sum = 0.f;
+        [[maybe_unused]] bool reset = false;  // packed: a boundary replaced g (the record says so by a NaN sum)
 #pragma unroll
         for (int k = 0; k < K; ++k) g[k] = 0.f;  // the part's own contribution: no dfinal_state
         const int64_t l_begin = ck_begin * p.checkpoint_len, l_end = min(L, ck_end * p.checkpoint_len);
+        // Packed: the first boundary at or after the end of the tile being walked.
+        [[maybe_unused]] int64_t seq_end = kPacked ? seqs.lower_bound(l_end, 0, p.num_seqs + 1) : 0;
         for (int64_t l0 = l_begin + (l_end - l_begin - 1) / S * S; l0 >= l_begin; l0 -= S) {
             const int steps = int(min(int64_t(S), l_end - l0));
             __syncthreads();
             stage(l0, steps, false);
+            [[maybe_unused]] bool any = false;
+            if constexpr (kPacked) {
+                const int64_t seq_begin = seqs.lower_bound_below(l0, seq_end);
+                any = find_boundaries(l0, steps, seq_begin, seq_end);
+                seq_end = seq_begin;
+            }
             __syncthreads();
             if (l0 - S >= l_begin) copy_tile_ahead(l0 - S, S);
-            for (int t = steps - 1; t >= 0; --t) {
-                const float dt = s_dt[c * P + t], dy = s_dy[c * P + t];
-                float Bt[K], Ct[K];
-                load_bc(t, Bt, Ct, true);
-                dt_sum += dt;
+            bool walked = false;
+            if constexpr (kPacked) {
+                // A tile with a boundary: the steps with the backward's rule at their positions.
+                if (const uint32_t mask = boundary_mask(steps, any)) {
+                    for (int t = steps - 1; t >= 0; --t) {
+                        const float dt = s_dt[c * P + t], dy = s_dy[c * P + t];
+                        float Bt[K], Ct[K];
+                        load_bc(t, Bt, Ct, true);
+                        dt_sum += dt;
 #pragma unroll
-                for (int k = 0; k < K; ++k) g[k] = ex2_ftz(dt * a2[k]) * fmaf(Ct[k], dy, g[k]);
+                        for (int k = 0; k < K; ++k) g[k] = ex2_ftz(dt * a2[k]) * fmaf(Ct[k], dy, g[k]);
+                        if ((mask >> t) & 1u) reset |= cross_back(s_seq[t], s_seq[t + 1], false);
+                    }
+                    walked = true;
+                }
             }
+            if (!walked)
+                for (int t = steps - 1; t >= 0; --t) {
+                    const float dt = s_dt[c * P + t], dy = s_dy[c * P + t];
+                    float Bt[K], Ct[K];
+                    load_bc(t, Bt, Ct, true);
+                    dt_sum += dt;
+#pragma unroll
+                    for (int k = 0; k < K; ++k) g[k] = ex2_ftz(dt * a2[k]) * fmaf(Ct[k], dy, g[k]);
+                }
         }
         if (!active) return;
         float* record = records + ((part - 1) * BD + row) * (N + 1);
 #pragma unroll
         for (int k = 0; k < K; ++k)
             if (valid[k]) record[n0 + (k ^ perm)] = g[k];
-        if (thread_part == 0) record[N] = dt_sum;
+        if (thread_part == 0) record[N] = kPacked && reset ? __int_as_float(0x7fc00000) : dt_sum;
         return;
     }
-    // g entering this part: dfinal_state carried through the parts after it.
+    // g entering this part: dfinal_state (packed: the backward's rule at seqlen), carried through the
+    // parts after it; past a part with a boundary (packed: a NaN sum), that part's own g alone.
+    [[maybe_unused]] int64_t seq_end = 0;  // packed: the first boundary at or after the end of the chunk being walked
+    if constexpr (kPacked) {
+        // The sequences ending at seqlen, and the empty ones there (their rows written by the last part).
+        const int64_t at_end = seqs.lower_bound(L, 0, p.num_seqs + 1);
+        cross_back(at_end, p.num_seqs + 1, part == n_split - 1);
+        seq_end = seqs.lower_bound(min(L, ck_end * p.checkpoint_len), 0, at_end);
+    }
     for (int64_t j = n_split - 1; j > part; --j) {
         const float* record = records + ((j - 1) * BD + row) * (N + 1);
+        if constexpr (kPacked) {
+            const bool reset = isnan(record[N]);
 #pragma unroll
-        for (int k = 0; k < K; ++k)
-            if (valid[k]) g[k] = fmaf(ex2_ftz(record[N] * a2[k]), g[k], record[n0 + (k ^ perm)]);
+            for (int k = 0; k < K; ++k)
+                if (valid[k])
+                    g[k] = reset ? record[n0 + (k ^ perm)] : fmaf(ex2_ftz(record[N] * a2[k]), g[k], record[n0 + (k ^ perm)]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < K; ++k)
+                if (valid[k]) g[k] = fmaf(ex2_ftz(record[N] * a2[k]), g[k], record[n0 + (k ^ perm)]);
+        }
     }
 
     const float* checkpoints = p.checkpoints + (b * p.dim + d) * n_checkpoints * N;
@@ -470,7 +603,15 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
         for (int k = 0; k < K; ++k)
             h[k] = checkpoint_ahead ? s_tile[k * kBwdThreads + tid] : valid[k] ? checkpoints[chunk * N + n0 + (k ^ perm)] : 0.f;
         checkpoint_ahead = false;
-        // The state entering each tile of the chunk.
+        // Packed: the chunk's boundaries are [seq_begin, seq_end); each tile finds its own among them.
+        [[maybe_unused]] int64_t seq_begin = 0;
+        if constexpr (kPacked) seq_begin = seqs.lower_bound_below(c_begin, seq_end);
+        auto tile_boundaries = [&](int64_t l0, int steps) {
+            return find_boundaries(l0, steps, seqs.lower_bound(l0, seq_begin, seq_end),
+                                   seqs.lower_bound(l0 + steps, seq_begin, seq_end));
+        };
+        // The state entering each tile of the chunk (before the forward's rule at its first step,
+        // as the checkpoints).
         for (int tile = 0; tile < tiles; ++tile) {
 #pragma unroll
             for (int k = 0; k < K; ++k) s_tile[(tile * K + k) * kBwdThreads + tid] = h[k];
@@ -478,8 +619,19 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
             const int64_t l0 = c_begin + int64_t(tile) * S;
             __syncthreads();
             stage(l0, S, true);
+            [[maybe_unused]] bool any = false;
+            if constexpr (kPacked) any = tile_boundaries(l0, S);
             __syncthreads();
             copy_tile_ahead(l0 + S, int(min(int64_t(S), c_end - l0 - S)));  // the next forward pass or the last tile
+            if constexpr (kPacked) {
+                if (const uint32_t mask = boundary_mask(S, any)) {
+                    for (int t = 0; t < S; ++t) {
+                        if ((mask >> t) & 1u) start_state(t, h);
+                        step_forward(t, h);
+                    }
+                    continue;
+                }
+            }
             for (int t = 0; t < S; ++t) step_forward(t, h);
         }
 
@@ -488,21 +640,44 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
             const int steps = int(min(int64_t(S), c_end - l0));
             __syncthreads();
             stage(l0, steps, false);
+            [[maybe_unused]] bool any = false;
+            if constexpr (kPacked) any = tile_boundaries(l0, steps);
             __syncthreads();
+            // Packed: bit t where step t of the tile crosses a boundary.
+            [[maybe_unused]] uint32_t mask = 0u;
+            if constexpr (kPacked) mask = boundary_mask(steps, any);
             // What is staged next: the tile before, or the chunk before's first (its forward pass,
             // or its only tile; every chunk but the last is whole).
             if (tile > 0) copy_tile_ahead(l0 - S, S);
             else if (chunk > ck_begin) copy_tile_ahead(c_begin - p.checkpoint_len, S);
-            // The state entering each piece of the tile (the last piece's steps lead nowhere).
+            // The state entering each piece of the tile (the last piece's steps lead nowhere), before
+            // the forward's rule at its first step.
 #pragma unroll
             for (int k = 0; k < K; ++k) h[k] = s_tile[(tile * K + k) * kBwdThreads + tid];
-            for (int piece = 0; piece * SUB < steps; ++piece) {
+            bool started = false;
+            if constexpr (kPacked) {
+                if (mask) {  // with the forward's rule at the tile's boundaries
+                    for (int piece = 0; piece * SUB < steps; ++piece) {
 #pragma unroll
-                for (int k = 0; k < K; ++k) s_piece[(piece * K + k) * kBwdThreads + tid] = h[k];
-                if ((piece + 1) * SUB >= steps) break;
+                        for (int k = 0; k < K; ++k) s_piece[(piece * K + k) * kBwdThreads + tid] = h[k];
+                        if ((piece + 1) * SUB >= steps) break;
 #pragma unroll
-                for (int i = 0; i < SUB; ++i) step_forward(piece * SUB + i, h);
+                        for (int i = 0; i < SUB; ++i) {
+                            if ((mask >> (piece * SUB + i)) & 1u) start_state(piece * SUB + i, h);
+                            step_forward(piece * SUB + i, h);
+                        }
+                    }
+                    started = true;
+                }
             }
+            if (!started)
+                for (int piece = 0; piece * SUB < steps; ++piece) {
+#pragma unroll
+                    for (int k = 0; k < K; ++k) s_piece[(piece * K + k) * kBwdThreads + tid] = h[k];
+                    if ((piece + 1) * SUB >= steps) break;
+#pragma unroll
+                    for (int i = 0; i < SUB; ++i) step_forward(piece * SUB + i, h);
+                }
             if (tile == 0 && chunk > ck_begin) {
                 // The chunk before's checkpoint, into the slot read above (its values used since).
 #pragma unroll
@@ -523,10 +698,18 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                     float Bt[K], Ct[K];
                     load_bc(t, Bt, Ct, true);
                     float y2[2] = {0.f, 0.f};  // two sums: shorter dependency chains
+                    // Packed: the state entering the step, after the forward's rule. (Unpacked
+                    // kernels keep their own expression: the copy changed their register allocation.)
+                    float h_in[K];
+                    if constexpr (kPacked) {
+#pragma unroll
+                        for (int k = 0; k < K; ++k) h_in[k] = i ? hp[i - 1][k] : hs[k];
+                        if ((mask >> t) & 1u) start_state(t, h_in);
+                    }
 #pragma unroll
                     for (int k = 0; k < K; ++k) {
                         ap[i][k] = ex2_ftz(dt * a2[k]);
-                        hp[i][k] = fmaf(ap[i][k], i ? hp[i - 1][k] : hs[k], dtu * Bt[k]);
+                        hp[i][k] = fmaf(ap[i][k], kPacked ? h_in[k] : i ? hp[i - 1][k] : hs[k], dtu * Bt[k]);
                         y2[k % 2] = fmaf(Ct[k], hp[i][k], y2[k % 2]);
                     }
                     y_part[i] = y2[0] + y2[1];
@@ -556,10 +739,16 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                     float Bt[K], Ct[K], db[K], dc[K];
                     load_bc(t, Bt, Ct, true);
                     float ddt_a[2] = {0.f, 0.f}, gb2[2] = {0.f, 0.f};  // sum_n A w, sum_n g B
+                    float h_in[K];  // packed: h[l-1] after the forward's rule (reloaded, not kept)
+                    if constexpr (kPacked) {
+#pragma unroll
+                        for (int k = 0; k < K; ++k) h_in[k] = i ? hp[i - 1][k] : hs[k];
+                        if ((mask >> t) & 1u) start_state(t, h_in);
+                    }
 #pragma unroll
                     for (int k = 0; k < K; ++k) {
                         const float gk = fmaf(Ct[k], dy, g[k]);
-                        const float w = gk * ap[i][k] * (i ? hp[i - 1][k] : hs[k]);  // g a h[l-1]
+                        const float w = gk * ap[i][k] * (kPacked ? h_in[k] : i ? hp[i - 1][k] : hs[k]);  // g a h[l-1]
                         ddt_a[k % 2] = fmaf(A[k], w, ddt_a[k % 2]);
                         gb2[k % 2] = fmaf(gk, Bt[k], gb2[k % 2]);
                         dA[k] = fmaf(w, dt, dA[k]);
@@ -587,6 +776,10 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
 #pragma unroll
                         for (int k = 0; k < K; ++k) db_inv[k] += db[k], dc_inv[k] += dc[k];
                     }
+                    // The backward's rule at the step's position, g now being the gradient of the
+                    // state entering it.
+                    if constexpr (kPacked)
+                        if ((mask >> t) & 1u) cross_back(s_seq[t], s_seq[t + 1], true);
                 }
                 // ddt = sum_n g (B u + A a h[l-1]); du = dt sum_n g B + D dy: the sums over the
                 // channel's threads, each finishing some steps (all have read the piece's u and dt).
@@ -665,6 +858,7 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
                 }
             }
         }
+        if constexpr (kPacked) seq_end = seq_begin;
     }
 
     // dD and ddelta_bias: each of the channel's first R threads summed its own steps.
@@ -679,7 +873,9 @@ __device__ __forceinline__ void selective_scan_bwd_tiled(const SelectiveScanBwdP
         if (!valid[k]) continue;
         const int64_t at = (z * BD + row) * N + n0 + (k ^ perm);
         dA_part[at] = dA[k];
-        if (q.dinitial_state && z == 0) q.dinitial_state[row * N + n0 + (k ^ perm)] = g[k];
+        // (Packed: written by the backward's rule at each sequence's start.)
+        if constexpr (!kPacked)
+            if (q.dinitial_state && z == 0) q.dinitial_state[row * N + n0 + (k ^ perm)] = g[k];
         if constexpr (!kVaryingBC) {
             dB_part[at] = db_inv[k];
             dC_part[at] = dc_inv[k];
@@ -747,18 +943,20 @@ __device__ __forceinline__ void selective_scan_bwd_reduce_params(const Selective
     }
 }
 
-// selective_scan_bwd_tiled[_local]_<T>_<TB>_tpc<TPC>_<varying|invariant>: kBwdThreads threads, a
-// (blocks of channels, batch, parts of the split) grid (parts - 1 for _local), BwdShape<TPC> shared
-// memory (the tile starts sized by the chunk's tiles).
-#define SSB_TILED_ONE(NAME, T, TB, TPC, VARYING, LOCAL)                                             \
+// selective_scan_bwd_tiled[_local][_packed]_<T>_<TB>_tpc<TPC>_<varying|invariant>: kBwdThreads
+// threads, a (blocks of channels, batch, parts of the split) grid (parts - 1 for _local),
+// BwdShape<TPC> shared memory (the tile starts sized by the chunk's tiles; _packed: then
+// kBwdSeqTableBytes).
+#define SSB_TILED_ONE(NAME, T, TB, TPC, VARYING, LOCAL, PACKED)                                     \
     extern "C" __global__ void __launch_bounds__(kBwdThreads, 2) NAME(const SelectiveScanBwdParams q) { \
-        selective_scan_bwd_tiled<T, TB, TPC, VARYING, LOCAL>(q);                                    \
+        selective_scan_bwd_tiled<T, TB, TPC, VARYING, LOCAL, PACKED>(q);                            \
     }
-#define SSB_TILED(T, TB, TPC)                                                                                    \
-    SSB_TILED_ONE(selective_scan_bwd_tiled_##T##_##TB##_tpc##TPC##_varying, T, TB, TPC, true, false)             \
-    SSB_TILED_ONE(selective_scan_bwd_tiled_##T##_##TB##_tpc##TPC##_invariant, T, TB, TPC, false, false)          \
-    SSB_TILED_ONE(selective_scan_bwd_tiled_local_##T##_##TB##_tpc##TPC##_varying, T, TB, TPC, true, true)        \
-    SSB_TILED_ONE(selective_scan_bwd_tiled_local_##T##_##TB##_tpc##TPC##_invariant, T, TB, TPC, false, true)
+#define SSB_TILED_PASSES(T, TB, TPC, PASS, LOCAL, PACKED)                                                       \
+    SSB_TILED_ONE(selective_scan_bwd_##PASS##_##T##_##TB##_tpc##TPC##_varying, T, TB, TPC, true, LOCAL, PACKED)    \
+    SSB_TILED_ONE(selective_scan_bwd_##PASS##_##T##_##TB##_tpc##TPC##_invariant, T, TB, TPC, false, LOCAL, PACKED)
+#define SSB_TILED(T, TB, TPC)                                                                                 \
+    SSB_TILED_PASSES(T, TB, TPC, tiled, false, false) SSB_TILED_PASSES(T, TB, TPC, tiled_local, true, false) \
+    SSB_TILED_PASSES(T, TB, TPC, tiled_packed, false, true) SSB_TILED_PASSES(T, TB, TPC, tiled_local_packed, true, true)
 #define SSB_ALL_TPC(T, TB) \
     SSB_TILED(T, TB, 2) SSB_TILED(T, TB, 4) SSB_TILED(T, TB, 8) SSB_TILED(T, TB, 16) SSB_TILED(T, TB, 32)
 // selective_scan_bwd_reduce_{bc,params}_<TB>: any 1-D launch (grid-stride loops).

@@ -12,7 +12,8 @@
 constexpr int kStatesPerLane = 8;
 constexpr int kBlockThreads = 128;
 
-template <typename T, typename TB, int NS>
+// kPacked: packed sequences (cu_seqlens, batch 1; kernels/selective_scan.cuh, cross_boundaries).
+template <typename T, typename TB, int NS, bool kPacked>
 __device__ __forceinline__ void selective_scan_fwd_lanes(const SelectiveScanFwdParams& p) {
     constexpr int K = kStatesPerLane;
     const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -32,7 +33,8 @@ __device__ __forceinline__ void selective_scan_fwd_lanes(const SelectiveScanFwdP
         const int64_t n = state0 + k;
         valid[k] = n < p.dstate;
         a2[k] = valid[k] ? p.A[d * p.dstate + n] * kLog2e : 0.f;
-        h[k] = valid[k] && p.initial_state ? p.initial_state[state_base + n] : 0.f;
+        // Packed: 0 (the rule at the first boundary sets it).
+        h[k] = !kPacked && valid[k] && p.initial_state ? p.initial_state[state_base + n] : 0.f;
     }
 
     const T* u = static_cast<const T*>(p.u);
@@ -47,19 +49,49 @@ __device__ __forceinline__ void selective_scan_fwd_lanes(const SelectiveScanFwdP
     const float bias = p.delta_bias ? p.delta_bias[d] : 0.f;
     const float skip = p.D ? p.D[d] : 0.f;
 
-    // Checkpoints for the backward pass: the state entering every checkpoint_len-th step.
+    // Checkpoints for the backward pass: the state entering every checkpoint_len-th step (packed:
+    // before the boundary rule there).
     float* checkpoint = p.checkpoints ? p.checkpoints + channel * checkpoint_count(p) * p.dstate + state0 : nullptr;
     int64_t next_checkpoint = 0;
+    auto store_checkpoint = [&] {
+        if (active) {
+#pragma unroll
+            for (int k = 0; k < K; ++k)
+                if (valid[k]) checkpoint[k] = h[k];
+        }
+        checkpoint += p.dstate;
+        next_checkpoint += p.checkpoint_len;
+    };
+    // Packed: the rule at a boundary on this channel's rows of final_state and initial_state,
+    // (num_seqs, dim, dstate) (batch 1: state_base = d * dstate). The step loop tests one position a
+    // step, the next checkpoint's or boundary's, whichever comes first (INT64_MAX: none).
+    auto end_seq = [&](int64_t s) {
+        if (!active) return;
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+            if (valid[k]) p.final_state[state_base + s * p.dim * p.dstate + state0 + k] = h[k];
+    };
+    auto start_seq = [&](int64_t s) {
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+            h[k] = valid[k] && p.initial_state ? p.initial_state[state_base + s * p.dim * p.dstate + state0 + k] : 0.f;
+    };
+    [[maybe_unused]] int64_t seq = 0, next_boundary = 0, next_event = 0;
+    if constexpr (kPacked) {
+        if (!checkpoint) next_checkpoint = INT64_MAX;
+        next_boundary = seq_boundary(p, 0);
+        next_event = min(next_checkpoint, next_boundary);
+    }
 #pragma unroll 4
     for (int64_t l = 0; l < p.seqlen; ++l) {
-        if (checkpoint && l == next_checkpoint) {
-            if (active) {
-#pragma unroll
-                for (int k = 0; k < K; ++k)
-                    if (valid[k]) checkpoint[k] = h[k];
+        if constexpr (kPacked) {
+            if (l == next_event) {
+                if (l == next_checkpoint) store_checkpoint();
+                if (l == next_boundary) next_boundary = cross_boundaries(p, seq, l, end_seq, start_seq);
+                next_event = min(next_checkpoint, next_boundary);
             }
-            checkpoint += p.dstate;
-            next_checkpoint += p.checkpoint_len;
+        } else if (checkpoint && l == next_checkpoint) {
+            store_checkpoint();
         }
         const int64_t xi = x_base + l * p.x_stride_seq;
         const float ul = to_f32(u[xi]);
@@ -85,19 +117,24 @@ __device__ __forceinline__ void selective_scan_fwd_lanes(const SelectiveScanFwdP
             out[xi] = from_f32<T>(y);
         }
     }
-    if (active) {
+    if constexpr (kPacked) {
+        // The sequences that end at seqlen, and empty ones there.
+        cross_boundaries(p, seq, p.seqlen, end_seq, start_seq);
+    } else if (active) {
 #pragma unroll
         for (int k = 0; k < K; ++k)
             if (valid[k]) p.final_state[state_base + state0 + k] = h[k];
     }
 }
 
-// extern "C" entry points, named selective_scan_fwd_lanes_<T>_<TB>_ns<NS> (the Rust launcher builds the name).
-#define SSF_KERNEL(T, TB, NS)                                                                  \
+// extern "C" entry points, named selective_scan_fwd_lanes[_packed]_<T>_<TB>_ns<NS> (the Rust launcher
+// builds the name).
+#define SSF_KERNEL_PASS(T, TB, NS, NAME, PACKED)                                               \
     extern "C" __global__ void __launch_bounds__(kBlockThreads)                                \
-        selective_scan_fwd_lanes_##T##_##TB##_ns##NS(const SelectiveScanFwdParams p) {               \
-        selective_scan_fwd_lanes<T, TB, NS>(p);                                                      \
+        selective_scan_fwd_##NAME##_##T##_##TB##_ns##NS(const SelectiveScanFwdParams p) {      \
+        selective_scan_fwd_lanes<T, TB, NS, PACKED>(p);                                        \
     }
+#define SSF_KERNEL(T, TB, NS) SSF_KERNEL_PASS(T, TB, NS, lanes, false) SSF_KERNEL_PASS(T, TB, NS, lanes_packed, true)
 #define SSF_ALL_NS(T, TB) \
     SSF_KERNEL(T, TB, 1) SSF_KERNEL(T, TB, 2) SSF_KERNEL(T, TB, 4) SSF_KERNEL(T, TB, 8) SSF_KERNEL(T, TB, 16) SSF_KERNEL(T, TB, 32)
 
@@ -152,7 +189,9 @@ template <int TPC> struct Tiled {
     static constexpr int kChannels = kTileChannels * TPC <= kTiledMaxThreads ? kTileChannels : kTiledMaxThreads / TPC;
     static constexpr int kThreads = kChannels * TPC;
     // Floats per (chunk, batch, channel) in the workspace: the chunk's end state from zero, then its
-    // sum of dt (which gives the chunk's decay of an incoming state, exp(A * sum dt)).
+    // sum of dt (which gives the chunk's decay of an incoming state, exp(A * sum dt)). Packed: a chunk
+    // that crosses a boundary starts again from the initial state there, and its sum is NaN ("reset":
+    // no incoming state reaches its end).
     static constexpr int kChunkRecord = kStates + 1;
 };
 
@@ -322,11 +361,27 @@ template <typename TB, int N, int S, int kThreads, BcForm F> struct BcTileRegs {
     }
 };
 
+// Packed sequences: the next boundary a block has to cross, an index into cu_seqlens and its
+// position (INT64_MAX: none).
+struct SeqCursor {
+    int64_t seq, at;
+};
+// A tile with a boundary in it: the tile step of the next one, and cross(step), which applies the
+// rule there and returns the tile step of the one after it (the tile's steps: none left).
+template <typename F> struct BoundaryTile {
+    int next_step;
+    F cross;
+};
+
 // kLocal: the first pass of a sequence split. Block (tile, b, chunk) scans its chunk from a zero
 // state and records only the end state and the sum of dt. Otherwise the block starts from the
 // initial state carried through the records of the chunks before it, and writes the output
 // (one chunk covering the whole sequence when there is no split).
-template <typename T, typename TB, int TPC, BcForm kBC, bool kLocal>
+// kPacked: packed sequences (cu_seqlens, batch 1). Every channel of a block crosses the same
+// boundaries, so their tests are block-uniform, and made a tile at a time: only a tile with a
+// boundary in it runs a step loop that tests each step (kernels/selective_scan.cuh,
+// cross_boundaries, for the rule).
+template <typename T, typename TB, int TPC, BcForm kBC, bool kLocal, bool kPacked>
 __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdParams& p) {
     constexpr bool kVaryingBC = kBC != BcForm::kInvariant;
     using Tl = Tile<T, TPC>;
@@ -376,19 +431,27 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
         const int n = n0 + k;
         const bool valid = active && n < p.dstate;
         a2[k] = valid ? p.A[d * p.dstate + n] * kLog2e : 0.f;
-        h[k] = !kLocal && valid && p.initial_state ? p.initial_state[state_base + n] : 0.f;
+        // Packed: 0 (the rule at the first boundary sets it).
+        h[k] = !kLocal && !kPacked && valid && p.initial_state ? p.initial_state[state_base + n] : 0.f;
         if constexpr (!kVaryingBC) {
             b_inv[k] = valid ? to_f32(Bm[bc_base + n * p.bc_stride_state]) : 0.f;
             c_inv[k] = valid ? to_f32(Cm[bc_base + n * p.bc_stride_state]) : 0.f;
         }
     }
     if (!kLocal && active) {
-        // Carry the state through the chunks before this one: h = exp(A * sum dt) * h + end state.
+        // Carry the state through the chunks before this one: h = exp(A * sum dt) * h + end state;
+        // past a chunk that crossed a boundary (packed: a NaN sum), its end state alone.
         const float* prior = p.workspace + (b * p.dim + d) * kChunkRecord;
         for (int64_t j = 0; j < chunk; ++j, prior += record_stride) {
             const float dt_sum = prior[N];
+            if constexpr (kPacked) {
+                const bool reset = isnan(dt_sum);
 #pragma unroll
-            for (int k = 0; k < K; ++k) h[k] = fmaf(ex2_ftz(dt_sum * a2[k]), h[k], prior[n0 + k]);
+                for (int k = 0; k < K; ++k) h[k] = reset ? prior[n0 + k] : fmaf(ex2_ftz(dt_sum * a2[k]), h[k], prior[n0 + k]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < K; ++k) h[k] = fmaf(ex2_ftz(dt_sum * a2[k]), h[k], prior[n0 + k]);
+            }
         }
     }
     const float bias = active && p.delta_bias ? p.delta_bias[d] : 0.f;
@@ -434,6 +497,43 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     static_assert(!kCheckpointsViaShared || kThreads * (K + 4) <= 2 * kChannels * PF, "a warp's rows fit");
 
     float dt_sum = 0.f;
+    // Packed: the rule at position l for the boundaries at or before it, from index `seq` on (the
+    // first at or after l, searched from `from`). The final pass writes the ending sequences' final
+    // states; both passes restart h from the next one's initial state, and the local pass marks its
+    // record "reset" (a NaN sum of dt: the fold then takes the record's state alone). Returns the
+    // next boundary's position.
+    auto apply_rule = [&](int64_t l, int64_t from) {
+        int64_t seq = first_boundary_at_or_after(p, l, from);
+        return cross_boundaries(
+            p, seq, l,
+            [&](int64_t s) {
+                if constexpr (!kLocal) {
+                    if (!active) return;
+#pragma unroll
+                    for (int k = 0; k < K; ++k)
+                        if (n0 + k < p.dstate) p.final_state[state_base + s * p.dim * p.dstate + n0 + k] = h[k];
+                }
+            },
+            [&](int64_t s) {
+#pragma unroll
+                for (int k = 0; k < K; ++k)
+                    h[k] = active && n0 + k < p.dstate && p.initial_state
+                               ? p.initial_state[state_base + s * p.dim * p.dstate + n0 + k]
+                               : 0.f;
+                if constexpr (kLocal) dt_sum = __int_as_float(0x7fc00000);
+            });
+    };
+    // Packed: the block's next boundary at each tile's start lives in shared memory, not registers,
+    // so that the tiles without one keep the registers of the unpacked kernel (most of these
+    // kernels sit at their cap). Two slots by tile parity: tile t reads slot t % 2, and thread 0
+    // writes the next tile's in the other while the rest may still read this one's.
+    __shared__ SeqCursor s_cursor[kPacked ? 2 : 1];
+    if (kPacked && threadIdx.x == 0) {
+        SeqCursor first;
+        first.seq = first_boundary_at_or_after(p, l_begin);
+        first.at = boundary_or_none(p, first.seq);
+        s_cursor[int(l_begin / S) & 1] = first;
+    }
     if (l_begin < l_end) fetch(l_begin);
     for (int64_t l0 = l_begin; l0 < l_end; l0 += S) {
         const int steps = int(min(int64_t(S), l_end - l0));
@@ -543,8 +643,14 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
             float u, dt, gate;  // gate: kInline only
             float4 b[K / 4], c[K / 4];
         };
-        auto scan_tile = [&](auto softplus_on, auto z_on) {
+        // A tile with a boundary in it (packed; `boundary` a BoundaryTile, else Off) tests each step
+        // for the next one and applies the rule there, before the step's update. Only the next one's
+        // tile step lives across the steps (the rule finds its place among the boundaries from the
+        // tile's cursor again). The step loop names nothing but `boundary` for it: a name in its
+        // (discarded) branch is still captured, which changed the unpacked kernels' code.
+        auto scan_tile = [&](auto softplus_on, auto z_on, auto boundary) {
             [[maybe_unused]] constexpr bool kSoftplus = decltype(softplus_on)::value, kHasZ = decltype(z_on)::value;
+            constexpr bool kBoundary = !std::is_same_v<decltype(boundary), std::false_type>;
             T* u_at = s_u + c * P;                // this channel's rows, at the group's first step
             const float* dt_at = s_dtf + c * PF;  // (its gate row: + kGateRows)
             const float* bc_at[K / 4];            // B of this thread's states (their C: + S * N)
@@ -580,6 +686,9 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
                 for (int i = 0; i < G; ++i) {
                     const StepIn cur = next;
                     next = read_step(i + 1);
+                    if constexpr (kBoundary) {
+                        if (g * G + i == boundary.next_step) boundary.next_step = boundary.cross(g * G + i);
+                    }
                     float dt = cur.dt;
                     if constexpr (kInline) {
                         if (i >= left) dt = 0.f;  // past the end: decay 1, input 0
@@ -628,49 +737,89 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
         };
         using On = std::true_type;
         using Off = std::false_type;
-        if constexpr (kInline) {
-            if (p.delta_softplus) has_z ? scan_tile(On{}, On{}) : scan_tile(On{}, Off{});
-            else has_z ? scan_tile(Off{}, On{}) : scan_tile(Off{}, Off{});
+        auto scan = [&](auto boundary) {
+            if constexpr (kInline) {
+                if (p.delta_softplus) has_z ? scan_tile(On{}, On{}, boundary) : scan_tile(On{}, Off{}, boundary);
+                else has_z ? scan_tile(Off{}, On{}, boundary) : scan_tile(Off{}, Off{}, boundary);
+            } else {
+                scan_tile(Off{}, Off{}, boundary);
+            }
+        };
+        if constexpr (kPacked) {
+            // The steps test for boundaries only in a tile with one in it (block-uniform). Thread 0
+            // passes the cursor on to the next tile's slot.
+            const int slot = int(l0 / S) & 1;
+            if (s_cursor[slot].at < l0 + steps) {
+                auto cross = [&](int step) {
+                    const int64_t at = apply_rule(l0 + step, s_cursor[slot].seq);
+                    return at < l0 + steps ? int(at - l0) : S;
+                };
+                scan(BoundaryTile<decltype(cross)>{int(s_cursor[slot].at - l0), cross});
+                if (threadIdx.x == 0) {
+                    SeqCursor next;
+                    next.seq = first_boundary_at_or_after(p, l0 + steps, s_cursor[slot].seq);
+                    next.at = boundary_or_none(p, next.seq);
+                    s_cursor[slot ^ 1] = next;
+                }
+            } else {
+                if (threadIdx.x == 0) s_cursor[slot ^ 1] = s_cursor[slot];
+                scan(Off{});
+            }
         } else {
-            scan_tile(Off{}, Off{});
+            scan(Off{});
         }
         __syncthreads();
         if (!kLocal) store_tile(out + x_base + l0 * p.x_stride_seq, s_u, map, time_contiguous, rows, steps);
         __syncthreads();
     }
+    // Packed: thread 0's last write of the cursor (with no tile, its first) before all read it.
+    if constexpr (kPacked) __syncthreads();
     if (!active) return;
     if (kLocal) {
 #pragma unroll
         for (int k = 0; k < K; ++k) record[n0 + k] = h[k];
         if (part == 0) record[N] = dt_sum;
     } else if (chunk == p.n_chunks - 1) {
+        if constexpr (kPacked) {
+            // The rule at seqlen: the sequences that end there, and empty ones there.
+            // (l_begin from blockIdx: nothing the tiles do not need lives across them.)
+            const int64_t first = int64_t(blockIdx.z) * p.chunk_len;
+            const int64_t tiles = (l_end - first + S - 1) / S;
+            apply_rule(p.seqlen, s_cursor[int(first / S + tiles) & 1].seq);
+        } else {
 #pragma unroll
-        for (int k = 0; k < K; ++k)
-            if (n0 + k < p.dstate) p.final_state[state_base + n0 + k] = h[k];
+            for (int k = 0; k < K; ++k)
+                if (n0 + k < p.dstate) p.final_state[state_base + n0 + k] = h[k];
+        }
     }
 }
 
-// selective_scan_fwd_tiled[_local]_<T>_<TB>_tpc<TPC>_<varying|varying_vec|invariant> (_local from
-// TPC 2 on), launched with Tiled<TPC>::kThreads threads, Tile<T, TPC>::kSharedBytes of dynamic shared
-// memory and a (tiles, batch, chunks) grid. Registers are capped for kMinBlocks blocks of 128
-// threads per SM from TPC 2 on (128 a thread); at TPC 1 for kMinBlocks blocks of 64 (its 16
-// states and their operands take ~190-250).
+// selective_scan_fwd_tiled[_local][_packed]_<T>_<TB>_tpc<TPC>_<varying|varying_vec|invariant> (_local
+// from TPC 2 on; _packed: kPacked), launched with Tiled<TPC>::kThreads threads, Tile<T, TPC>::kSharedBytes
+// of dynamic shared memory and a (tiles, batch, chunks) grid. Registers are capped for kMinBlocks
+// blocks of 128 threads per SM from TPC 2 on (128 a thread); at TPC 1 for kMinBlocks blocks of 64
+// (its 16 states and their operands take ~190-250).
 #define SSF_TILED_BOUNDS(TPC) \
     __launch_bounds__(Tiled<TPC>::kThreads, TPC == 1 ? kMinBlocks : kMinBlocks * 128 / Tiled<TPC>::kThreads)
-#define SSF_TILED_PASS(T, TB, TPC, FORM, NAME, PASS, LOCAL)                                                  \
+#define SSF_TILED_PASS(T, TB, TPC, FORM, NAME, PASS, LOCAL, PACKED)                                          \
     extern "C" __global__ void SSF_TILED_BOUNDS(TPC)                                                         \
         selective_scan_fwd_##PASS##_##T##_##TB##_tpc##TPC##_##NAME(const SelectiveScanFwdParams p) {         \
-        selective_scan_fwd_tiled<T, TB, TPC, BcForm::FORM, LOCAL>(p);                                        \
+        selective_scan_fwd_tiled<T, TB, TPC, BcForm::FORM, LOCAL, PACKED>(p);                                \
     }
-#define SSF_TILED_FORMS(T, TB, TPC, PASS, LOCAL)                                                             \
-    SSF_TILED_PASS(T, TB, TPC, kVarying, varying, PASS, LOCAL)                                               \
-    SSF_TILED_PASS(T, TB, TPC, kVaryingVec, varying_vec, PASS, LOCAL)                                        \
-    SSF_TILED_PASS(T, TB, TPC, kInvariant, invariant, PASS, LOCAL)
-#define SSF_TILED_TPC(T, TB, TPC) SSF_TILED_FORMS(T, TB, TPC, tiled, false) SSF_TILED_FORMS(T, TB, TPC, tiled_local, true)
+#define SSF_TILED_FORMS(T, TB, TPC, PASS, LOCAL, PACKED)                                                     \
+    SSF_TILED_PASS(T, TB, TPC, kVarying, varying, PASS, LOCAL, PACKED)                                       \
+    SSF_TILED_PASS(T, TB, TPC, kVaryingVec, varying_vec, PASS, LOCAL, PACKED)                                \
+    SSF_TILED_PASS(T, TB, TPC, kInvariant, invariant, PASS, LOCAL, PACKED)
+#define SSF_TILED_TPC(T, TB, TPC)                                                                            \
+    SSF_TILED_FORMS(T, TB, TPC, tiled, false, false) SSF_TILED_FORMS(T, TB, TPC, tiled_local, true, false)   \
+    SSF_TILED_FORMS(T, TB, TPC, tiled_packed, false, true) SSF_TILED_FORMS(T, TB, TPC, tiled_local_packed, true, true)
 // The split's first pass has no one-thread-a-channel form: it gained only on the longest chunks (2%
 // at 1x4096x16384) and cost up to 9% of the forward on others (BENCHMARKS.md, "What did not pay").
+// Packed sequences have none either: its four forms of the step loop, twice (tiles with a boundary
+// and without), added a fifth to this file's compile time (src/cuda/selective_scan.rs takes two
+// threads a channel instead).
 #define SSF_TILED(T, TB)                                                                                     \
-    SSF_TILED_FORMS(T, TB, 1, tiled, false)                                                                  \
+    SSF_TILED_FORMS(T, TB, 1, tiled, false, false)                                                           \
     SSF_TILED_TPC(T, TB, 2) SSF_TILED_TPC(T, TB, 4) SSF_TILED_TPC(T, TB, 8) SSF_TILED_TPC(T, TB, 16) SSF_TILED_TPC(T, TB, 32)
 
 SSF_TILED(f32, f32)

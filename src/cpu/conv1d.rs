@@ -48,6 +48,24 @@ fn weights(conv: &Conv) -> (Vec<f32>, Vec<f32>) {
     (w, bias)
 }
 
+/// The sequences of a row as (start, end) steps: the whole row, or the packed sequences.
+fn sequences(p: &ConvParams) -> Vec<(usize, usize)> {
+    // SAFETY: validated, and the boundaries were checked on the host (conv1d::run).
+    match unsafe { p.host_cu_seqlens() } {
+        Some(cu) => cu.windows(2).map(|w| (w[0] as usize, w[1] as usize)).collect(),
+        None => vec![(0, p.seqlen as usize)],
+    }
+}
+
+/// Rows of the initial states: batch, or num_seqs with packed sequences.
+fn state_rows(p: &ConvParams) -> usize {
+    if p.cu_seqlens.is_null() {
+        p.batch as usize
+    } else {
+        p.num_seqs as usize
+    }
+}
+
 /// x's inputs and initial states.
 struct Inputs<'a> {
     x: Elems<'a>,
@@ -62,18 +80,21 @@ impl Inputs<'_> {
         let (batch, dim, len, wd) = sizes(p);
         Inputs {
             x: Elems::new(conv.dtype(), p.x, batch * dim * len),
-            initial: Elems::optional(conv.dtype(), p.initial_states, batch * dim * (wd - 1)),
+            initial: Elems::optional(conv.dtype(), p.initial_states, state_rows(p) * dim * (wd - 1)),
         }
     }
 
-    /// xpad[s + width - 1] for s in -(width - 1)..seqlen: x[b, d, s] after the initial states (or 0).
-    fn row(&self, p: &ConvParams, b: usize, d: usize, xpad: &mut [f32]) {
-        let k = p.width as usize - 1;
+    /// x[b, d, ..] into `xs` (seqlen steps).
+    fn x_row(&self, p: &ConvParams, b: usize, d: usize, xs: &mut [f32]) {
+        self.x.load(x_row(p, b, d), p.x_stride_seq as usize, xs);
+    }
+
+    /// The width - 1 inputs before a sequence: initial_states[row, d] (or 0).
+    fn before(&self, p: &ConvParams, row: usize, d: usize, out: &mut [f32]) {
         match self.initial {
-            Some(initial) => initial.load((b * p.dim as usize + d) * k, 1, &mut xpad[..k]),
-            None => xpad[..k].fill(0.0),
+            Some(initial) => initial.load((row * p.dim as usize + d) * out.len(), 1, out),
+            None => out.fill(0.0),
         }
-        self.x.load(x_row(p, b, d), p.x_stride_seq as usize, &mut xpad[k..]);
     }
 }
 
@@ -87,20 +108,29 @@ fn pre(w: &[f32], bias: f32, xpad: &[f32], t: usize) -> f32 {
     acc
 }
 
+// Both passes hold a row as xpad[s + width - 1] = x[s] and take the sequences in order: the width - 1
+// entries before a sequence's start (inputs of earlier sequences, done with) are overwritten with its
+// initial state, so one window formula serves every step.
+
 fn fwd(conv: &Conv) {
     let p = &conv.params();
     let (batch, dim, len, wd) = sizes(p);
+    let k = wd - 1;
     let (w, bias) = weights(conv);
+    let (seqs, packed) = (sequences(p), !p.cu_seqlens.is_null());
     // SAFETY: validated shapes and dtypes; out overlaps no input.
     let (inputs, out) = unsafe { (Inputs::new(conv), ElemsOut::new(conv.dtype(), p.out, batch * dim * len)) };
-    let (mut xpad, mut y) = (vec![0f32; wd - 1 + len], vec![0f32; len]);
+    let (mut xpad, mut y) = (vec![0f32; k + len], vec![0f32; len]);
     for d in 0..dim {
         let w = &w[d * wd..][..wd];
         for b in 0..batch {
-            inputs.row(p, b, d, &mut xpad);
-            for (t, y) in y.iter_mut().enumerate() {
-                let v = pre(w, bias[d], &xpad, t);
-                *y = if p.silu != 0 { silu_std(v) } else { v };
+            inputs.x_row(p, b, d, &mut xpad[k..]);
+            for (i, &(start, end)) in seqs.iter().enumerate() {
+                inputs.before(p, if packed { i } else { b }, d, &mut xpad[start..start + k]);
+                for (t, y) in y[start..end].iter_mut().enumerate() {
+                    let v = pre(w, bias[d], &xpad, start + t);
+                    *y = if p.silu != 0 { silu_std(v) } else { v };
+                }
             }
             // SAFETY: as above; nothing else accesses out during the call.
             unsafe { out.store(x_row(p, b, d), p.x_stride_seq as usize, &y) };
@@ -113,51 +143,63 @@ fn bwd(conv: &Conv) {
     let (batch, dim, len, wd) = sizes(p);
     let k = wd - 1;
     let (w, bias) = weights(conv);
+    let (seqs, packed) = (sequences(p), !p.cu_seqlens.is_null());
     // SAFETY: validated shapes and dtypes; the gradients overlap no input, nor each other.
     let (inputs, dout, dx, dinitial, dweight, dbias) = unsafe {
         (
             Inputs::new(conv),
             Elems::new(conv.dtype(), p.dout, batch * dim * len),
             ElemsOut::new(conv.dtype(), p.out, batch * dim * len),
-            ElemsOut::optional(conv.dtype(), p.dinitial_states, batch * dim * k),
+            ElemsOut::optional(conv.dtype(), p.dinitial_states, state_rows(p) * dim * k),
             ElemsOut::new(conv.weight_dtype(), p.dweight, dim * wd),
             ElemsOut::optional(conv.weight_dtype(), p.dbias, dim),
         )
     };
-    let (mut xpad, mut dxpad, mut g) = (vec![0f32; k + len], vec![0f32; k + len], vec![0f32; len]);
+    let (mut xpad, mut dxrow, mut g) = (vec![0f32; k + len], vec![0f32; len], vec![0f32; len]);
+    let mut dbefore = [0f32; 3];
     for d in 0..dim {
         let w = &w[d * wd..][..wd];
         let (mut dw, mut db) = ([0f32; 4], 0f32);
         for b in 0..batch {
-            inputs.row(p, b, d, &mut xpad);
+            inputs.x_row(p, b, d, &mut xpad[k..]);
             dout.load(x_row(p, b, d), p.x_stride_seq as usize, &mut g);
-            if p.silu != 0 {
-                for (t, g) in g.iter_mut().enumerate() {
-                    *g *= silu_grad_std(pre(w, bias[d], &xpad, t));
-                }
-            }
-            // dxpad[s] = sum_k w[k] g[s + (W - 1) - k].
-            for (i, o) in dxpad.iter_mut().enumerate() {
-                let mut acc = 0f32;
-                for (kk, w) in w.iter().enumerate() {
-                    // t = s + (W - 1) - kk with s = i - (W - 1).
-                    if let Some(&g) = i.checked_sub(kk).and_then(|t| g.get(t)) {
-                        acc += w * g;
+            for (i, &(start, end)) in seqs.iter().enumerate() {
+                let row = if packed { i } else { b };
+                inputs.before(p, row, d, &mut xpad[start..start + k]);
+                let g = &mut g[start..end];
+                if p.silu != 0 {
+                    for (t, g) in g.iter_mut().enumerate() {
+                        *g *= silu_grad_std(pre(w, bias[d], &xpad, start + t));
                     }
                 }
-                *o = acc;
-            }
-            // SAFETY (both): as above; nothing else accesses the gradients during the call.
-            unsafe { dx.store(x_row(p, b, d), p.x_stride_seq as usize, &dxpad[k..]) };
-            if let Some(dinitial) = dinitial {
-                unsafe { dinitial.store((b * dim + d) * k, 1, &dxpad[..k]) };
-            }
-            for (t, &gt) in g.iter().enumerate() {
-                db += gt;
-                for (kk, dw) in dw[..wd].iter_mut().enumerate() {
-                    *dw += gt * xpad[t + kk];
+                // The gradient of the sequence's padded step j (j < W - 1: its initial state):
+                // sum_k w[k] g[j - k].
+                for j in 0..k + g.len() {
+                    let mut acc = 0f32;
+                    for (kk, w) in w.iter().enumerate() {
+                        if let Some(&g) = j.checked_sub(kk).and_then(|t| g.get(t)) {
+                            acc += w * g;
+                        }
+                    }
+                    if j < k {
+                        dbefore[j] = acc;
+                    } else {
+                        dxrow[start + j - k] = acc;
+                    }
+                }
+                if let Some(dinitial) = dinitial {
+                    // SAFETY: as above; nothing else accesses the gradients during the call.
+                    unsafe { dinitial.store((row * dim + d) * k, 1, &dbefore[..k]) };
+                }
+                for (t, &gt) in g.iter().enumerate() {
+                    db += gt;
+                    for (kk, dw) in dw[..wd].iter_mut().enumerate() {
+                        *dw += gt * xpad[start + t + kk];
+                    }
                 }
             }
+            // SAFETY: as above.
+            unsafe { dx.store(x_row(p, b, d), p.x_stride_seq as usize, &dxrow) };
         }
         // SAFETY (both): as above.
         unsafe { dweight.store(d * wd, 1, &dw[..wd]) };

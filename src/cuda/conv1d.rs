@@ -1,6 +1,7 @@
 //! The CUDA launches of the conv1d kernels (kernels/causal_conv1d.cu): one thread per output element
 //! (fwd; bwd's dx and dinitial_states), one block per channel (bwd's dweight and dbias), one thread
-//! per (batch, channel) row (update).
+//! per (batch, channel) row (update). Packed sequences: the same, batch 1, and dx's threads followed by
+//! dinitial_states' (num_seqs, dim, width - 1).
 
 use super::{copy_async, launch, LaunchConfig};
 use crate::error::Result;
@@ -19,18 +20,26 @@ pub fn run(conv: &Conv, stream: *mut c_void) -> Result<()> {
     let p = &conv.params();
     let types = format!("{}_{}", conv.dtype().name(), conv.weight_dtype().name());
     let m = "causal_conv1d";
+    // Packed sequences take their own kernels, which find each step's sequence by a binary search
+    // over cu_seqlens; the unpacked ones are unchanged.
+    let packed = if p.cu_seqlens.is_null() { "" } else { "packed_" };
     match conv.kind() {
         // SAFETY: the parameters of a validated call (see `launch`).
         Kind::Fwd => unsafe {
-            launch(stream, m, &format!("causal_conv1d_fwd_{types}"), flat(p.batch * p.dim * p.seqlen), p)
+            launch(stream, m, &format!("causal_conv1d_fwd_{packed}{types}"), flat(p.batch * p.dim * p.seqlen), p)
         },
         Kind::Bwd => {
-            let padded = p.batch * p.dim * (p.seqlen + p.width - 1);
+            let dx_threads = if p.cu_seqlens.is_null() {
+                p.batch * p.dim * (p.seqlen + p.width - 1)
+            } else {
+                let dinitial = if p.dinitial_states.is_null() { 0 } else { p.num_seqs * p.dim * (p.width - 1) };
+                p.dim * p.seqlen + dinitial
+            };
             // SAFETY: the parameters of a validated call (see `launch`).
-            unsafe { launch(stream, m, &format!("causal_conv1d_bwd_dx_{types}"), flat(padded), p) }?;
+            unsafe { launch(stream, m, &format!("causal_conv1d_bwd_dx_{packed}{types}"), flat(dx_threads), p) }?;
             let per_channel = LaunchConfig { grid: (p.dim as u64, 1, 1), block: REDUCE_THREADS, shared_bytes: 0 };
             // SAFETY: the parameters of a validated call (see `launch`).
-            unsafe { launch(stream, m, &format!("causal_conv1d_bwd_dw_{types}"), per_channel, p) }
+            unsafe { launch(stream, m, &format!("causal_conv1d_bwd_dw_{packed}{types}"), per_channel, p) }
         }
         Kind::Update => {
             if let Some(copy) = conv.state_copy() {

@@ -96,21 +96,6 @@ const DEFAULT_DYNAMIC_SHARED: u32 = 48 * 1024;
 
 static CACHE: Mutex<Option<Cache>> = Mutex::new(None);
 
-/// Whether the CUDA kernels apply packed sequences' boundary rule (docs/selective_scan_fwd.md).
-/// Until they do, the CUDA target refuses packed calls (UNIMPLEMENTED) rather than run them as one
-/// sequence; the CUDA tests of packed calls check that refusal, and the results once this is true.
-pub const PACKED_SEQUENCES: bool = false;
-
-/// Packed sequences (`cu_seqlens`) on CUDA: refused while [`PACKED_SEQUENCES`] is false.
-pub(crate) fn refuse_packed(op: &str, packed: bool) -> Result<()> {
-    if packed && !PACKED_SEQUENCES {
-        return Err(Error::Unimplemented(format!(
-            "{op}: packed sequences (cu_seqlens) are not implemented by the CUDA target yet; the CPU target takes them"
-        )));
-    }
-    Ok(())
-}
-
 /// The context that owns `stream` (the current one for the legacy default stream).
 fn stream_context(stream: sys::CUstream) -> Result<sys::CUcontext> {
     let mut ctx: sys::CUcontext = std::ptr::null_mut();

@@ -10,6 +10,10 @@
 //! The tiled kernel is taken wherever it applies; `XLA_SSM_FWD_KERNEL=lanes` forces the other. When
 //! the host passes a workspace and batch x dim is small, the tiled kernel splits the sequence
 //! ([`split_plan`]): two launches, a chunk-local pass and the final one.
+//!
+//! Packed sequences (`cu_seqlens`) run kernels of their own (`_packed`), so that the others stay as
+//! they were; the plan (kernel, threads per channel, split) is the same as unpacked, from the shapes
+//! alone (the boundaries are on the device), except that one thread a channel is never taken.
 
 use crate::error::Result;
 use crate::ops::selective_scan::{
@@ -100,11 +104,12 @@ fn tiled_bc_form(fwd: &Fwd, tpc: i64) -> &'static str {
 
 pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
     let p = &fwd.params();
-    super::refuse_packed("selective_scan_fwd", !p.cu_seqlens.is_null())?;
     if p.batch * p.dim == 0 {
         return Ok(());
     }
     let types = format!("{}_{}", fwd.dtype().name(), fwd.bc_dtype().name());
+    let packed = !p.cu_seqlens.is_null();
+    let suffix = if packed { "_packed" } else { "" };
     // The tiled kernel is 6-36x faster than the lanes kernel at the benchmark shapes on the H100
     // (`tests/cuda/fwd_check.cu time`), small ones included; lanes covers what tiled does not.
     if tiled_supported(fwd) && !forced("lanes") {
@@ -118,15 +123,17 @@ pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
         let tiles = (p.dim + tiled_channels(tpc) - 1) / tiled_channels(tpc);
         let chunks = if split { n_chunks } else { 1 };
         // The pass that writes the outputs at one thread a channel (the split's first pass never:
-        // it gained only on the longest chunks, and lost on the others).
-        let one_thread = p.dstate <= 16
+        // it gained only on the longest chunks, and lost on the others; packed sequences never: the
+        // kernels have no such form, whose four step loops twice over cost too much compile time).
+        let one_thread = !packed
+            && p.dstate <= 16
             && (forced("tiled1")
                 || (tiles * p.batch * chunks >= ONE_THREAD_MIN_BLOCKS
                     && (!split || chunk_len >= ONE_THREAD_MIN_CHUNK)));
         let launch_pass = |local: bool, pass_tpc: i64, grid_chunks: i64, params: &FwdParams| {
             let pass = if local { "tiled_local" } else { "tiled" };
             let form = tiled_bc_form(fwd, pass_tpc);
-            let kernel = format!("selective_scan_fwd_{pass}_{types}_tpc{pass_tpc}_{form}");
+            let kernel = format!("selective_scan_fwd_{pass}{suffix}_{types}_tpc{pass_tpc}_{form}");
             let config = LaunchConfig {
                 grid: (tiles as u64, p.batch as u64, grid_chunks as u64),
                 block: (tiled_channels(pass_tpc) * pass_tpc) as u32, // Tiled<TPC>::kThreads
@@ -144,7 +151,7 @@ pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
         launch_pass(false, final_tpc, 1, p)
     } else {
         let ns = lanes_per_channel(p.dstate);
-        let kernel = format!("selective_scan_fwd_lanes_{types}_ns{ns}");
+        let kernel = format!("selective_scan_fwd_lanes{suffix}_{types}_ns{ns}");
         let blocks = ((p.batch * p.dim * ns) as u64).div_ceil(LANES_BLOCK as u64);
         let config = LaunchConfig { grid: (blocks, 1, 1), block: LANES_BLOCK, shared_bytes: 0 };
         // SAFETY: the parameters of a validated call (see `launch`).

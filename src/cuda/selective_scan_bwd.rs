@@ -1,6 +1,10 @@
 //! The CUDA launch of the backward scan (kernels/selective_scan_bwd.cu): the tiled kernel, which
 //! leaves per-block partial sums in the workspace, then two reductions that sum them in a fixed
 //! order (so the gradients are bitwise deterministic).
+//!
+//! Packed sequences (`cu_seqlens`) run kernels of their own (`_packed`), so that the others stay as
+//! they were; the plan (threads per channel, sequence split, workspace) is the same as unpacked, from
+//! the shapes alone (the boundaries are on the device).
 
 use super::{launch, sm_shared_memory, LaunchConfig};
 use crate::error::{Error, Result};
@@ -19,9 +23,13 @@ const MAX_BLOCKS_PER_SM: u32 = 2;
 /// refuse less at launch, with the driver's message).
 const MAX_SHARED_BYTES: u32 = 227 * 1024;
 
+/// Bytes the packed kernels add after the tile starts: a tile's boundary table, int64 [33] rounded
+/// to 16 bytes (mirror of `kBwdSeqTableBytes`).
+const SEQ_TABLE_BYTES: u32 = 272;
+
 /// Dynamic shared memory of the tiled kernel: mirror of `BwdShape<TPC>` (the kernel traps when
-/// given less than it needs).
-fn shared_bytes(threads_per_channel: i64, tiles_per_chunk: i64) -> u32 {
+/// given less than it needs), plus the packed kernels' boundary table.
+fn shared_bytes(threads_per_channel: i64, tiles_per_chunk: i64, packed: bool) -> u32 {
     let (states, steps, piece, pitch) = (8, TILE_STEPS, 4, TILE_STEPS + 1);
     let nmax = states * threads_per_channel;
     let channels = THREADS as i64 / threads_per_channel;
@@ -38,7 +46,7 @@ fn shared_bytes(threads_per_channel: i64, tiles_per_chunk: i64) -> u32 {
         + (steps / piece) * states * threads
         + (threads / 32) * flush * 2 * nmax
         + tiles_per_chunk * states * threads;
-    (floats * 4) as u32
+    (floats * 4) as u32 + if packed { SEQ_TABLE_BYTES } else { 0 }
 }
 
 /// Shared memory for the next tile's inputs as they are in global memory, which the kernel copies in
@@ -52,7 +60,6 @@ fn raw_tile_bytes(bwd: &Bwd, threads_per_channel: i64) -> u32 {
 
 pub fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
     let p = &bwd.params().fwd;
-    super::refuse_packed("selective_scan_bwd", !p.cu_seqlens.is_null())?;
     let layout = bwd_layout(p.batch, p.dim, p.seqlen, p.dstate, bwd.groups(), p.checkpoint_len);
     let needed = layout.floats * 4;
     if needed > 0 && (p.workspace.is_null() || bwd.workspace_bytes() < needed) {
@@ -66,11 +73,12 @@ pub fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
         return Err(Error::invalid("selective_scan_bwd: result `workspace`: must be 4-byte aligned"));
     }
     let tpc = layout.threads_per_channel;
+    let packed = !p.cu_seqlens.is_null();
     // The state entering each tile of a chunk is kept in shared memory.
-    let shared = shared_bytes(tpc, p.checkpoint_len / TILE_STEPS);
+    let shared = shared_bytes(tpc, p.checkpoint_len / TILE_STEPS, packed);
     if shared > MAX_SHARED_BYTES {
-        let per_tile = shared_bytes(tpc, 1) - shared_bytes(tpc, 0);
-        let most = (MAX_SHARED_BYTES - shared_bytes(tpc, 0)) / per_tile * TILE_STEPS as u32;
+        let per_tile = shared_bytes(tpc, 1, packed) - shared_bytes(tpc, 0, packed);
+        let most = (MAX_SHARED_BYTES - shared_bytes(tpc, 0, packed)) / per_tile * TILE_STEPS as u32;
         return Err(Error::invalid(format!(
             "selective_scan_bwd: attribute `checkpoint_len`: the CUDA backward takes at most {most} at dstate {}, \
              got {}",
@@ -99,8 +107,9 @@ pub fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
         block: THREADS,
         shared_bytes: shared,
     };
+    let suffix = if packed { "_packed" } else { "" };
     if layout.n_split > 1 {
-        let local = format!("selective_scan_bwd_tiled_local_{types}");
+        let local = format!("selective_scan_bwd_tiled_local{suffix}_{types}");
         // SAFETY: the parameters of a validated call (see `launch`).
         unsafe { launch(stream, "selective_scan_bwd", &local, tiled(layout.n_split - 1), &params) }?;
     }
@@ -109,7 +118,7 @@ pub fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
         launch(
             stream,
             "selective_scan_bwd",
-            &format!("selective_scan_bwd_tiled_{types}"),
+            &format!("selective_scan_bwd_tiled{suffix}_{types}"),
             tiled(layout.n_split),
             &params,
         )

@@ -28,7 +28,6 @@ const MAX_BLOCKS: u64 = 8192;
 /// The forward on `stream`: the first path that takes the call.
 pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
     let p = &ssd.params();
-    super::refuse_packed("ssd_fwd", p.packed())?;
     let shape = shape(p, ssd.dtype());
     if p.packed() || !plan::mma_applies(&shape) {
         return generic_fwd(ssd, stream);
@@ -46,7 +45,6 @@ pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
 /// The backward on `stream`.
 pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
     let p = &bwd.params().fwd;
-    super::refuse_packed("ssd_bwd", p.packed())?;
     let shape = shape(p, bwd.dtype());
     if p.packed() || !plan::mma_applies(&shape) {
         return generic_bwd(bwd, stream);

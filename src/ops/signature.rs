@@ -253,10 +253,22 @@ pub const SELECTIVE_STATE_UPDATE: Signature = Signature {
 
 pub const CAUSAL_CONV1D_FWD: Signature = Signature {
     op: "causal_conv1d_fwd",
-    operands: &[arg("x"), arg("weight"), opt("bias", "has_bias"), opt("initial_states", "has_initial_states")],
+    operands: &[
+        arg("x"),
+        arg("weight"),
+        opt("bias", "has_bias"),
+        opt("initial_states", "has_initial_states"),
+        opt("cu_seqlens", "has_cu_seqlens"),
+    ],
     results: &[arg("out")],
     workspace: false,
-    attrs: &[flag("silu"), attr("layout", Str), flag("has_bias"), flag("has_initial_states")],
+    attrs: &[
+        flag("silu"),
+        attr("layout", Str),
+        flag("has_bias"),
+        flag("has_initial_states"),
+        Attr { name: "has_cu_seqlens", ty: Bool, optional: true },
+    ],
 };
 
 pub const CAUSAL_CONV1D_BWD: Signature = Signature {
@@ -267,10 +279,17 @@ pub const CAUSAL_CONV1D_BWD: Signature = Signature {
         arg("dout"),
         opt("bias", "has_bias"),
         opt("initial_states", "has_initial_states"),
+        opt("cu_seqlens", "has_cu_seqlens"),
     ],
     results: &[arg("dx"), arg("dweight"), opt("dbias", "has_bias"), opt("dinitial_states", "has_initial_states")],
     workspace: false,
-    attrs: &[flag("silu"), attr("layout", Str), flag("has_bias"), flag("has_initial_states")],
+    attrs: &[
+        flag("silu"),
+        attr("layout", Str),
+        flag("has_bias"),
+        flag("has_initial_states"),
+        Attr { name: "has_cu_seqlens", ty: Bool, optional: true },
+    ],
 };
 
 pub const CAUSAL_CONV1D_UPDATE: Signature = Signature {

@@ -26,6 +26,7 @@ pub fn from_frame(frame: &Frame, platform: Platform, kind: Kind) -> Result<()> {
         weight: call.input("weight"),
         bias: call.operand("bias"),
         initial_states: call.operand("initial_states"),
+        cu_seqlens: call.operand("cu_seqlens"),
         dout: call.operand("dout"),
         conv_state,
         state_batch_indices: call.operand("state_batch_indices"),

@@ -5,10 +5,15 @@
 //   check: both kernels' output, final state and checkpoints against a double-precision recurrence
 //          (docs/selective_scan_fwd.md); exit 1 past the tolerance.
 //   time:  CUDA-event time of each kernel (the split's first pass also alone); tiled against lanes.
-//   fwd_check check|time batch dim seqlen dstate bdl|bld [tpc 0|1|2] [chunks] [checkpoint_len] [h0 0|1]
+//   fwd_check check|time batch dim seqlen dstate bdl|bld [tpc 0|1|2] [chunks] [checkpoint_len] [h0 0|1] [seqs]
 // tpc: 0 as the library picks; 1 or 2 forces either at dstate <= 16 (the pass that writes the
 // outputs; the split's first pass always runs at 2 or more). chunks: 0 as split_plan picks, else
 // that many. checkpoint_len: 0 none, else a multiple of 32 (the training forward's checkpoints).
+// seqs: packed sequences (batch 1; the _packed kernels): that many, with boundaries that make empty
+// and length-1 sequences, fall on chunk and checkpoint edges, off tile edges, and at seqlen, the
+// rest random; the reference scans each sequence alone. Negative: -seqs boundaries of random,
+// invalid values (unsorted, out of range): the kernels must stay inside their buffers (run it
+// under compute-sanitizer); nothing is compared.
 #include "../../kernels/selective_scan_fwd.cu"
 
 #include <algorithm>
@@ -68,7 +73,7 @@ template <typename A, typename B> static double rel_l2(const std::vector<A>& got
 
 int main(int argc, char** argv) {
     if (argc < 7) {
-        fprintf(stderr, "usage: %s check|time batch dim seqlen dstate bdl|bld [tpc] [chunks] [checkpoint_len] [h0]\n", argv[0]);
+        fprintf(stderr, "usage: %s check|time batch dim seqlen dstate bdl|bld [tpc] [chunks] [checkpoint_len] [h0] [seqs]\n", argv[0]);
         return 2;
     }
     const bool check = std::string(argv[1]) == "check";
@@ -78,13 +83,20 @@ int main(int argc, char** argv) {
     const int64_t force_chunks = argc > 8 ? atoll(argv[8]) : 0;
     const int64_t ckl = argc > 9 ? atoll(argv[9]) : 0;
     const bool with_h0 = argc > 10 && atoi(argv[10]);
+    const int64_t seqs_arg = argc > 11 ? atoll(argv[11]) : 0;
+    const bool packed = seqs_arg != 0, garbage = seqs_arg < 0;
+    const int64_t S_ = packed ? (garbage ? -seqs_arg : seqs_arg) : 0;  // num_seqs
+    if (packed && B != 1) return fprintf(stderr, "packed sequences need batch 1\n"), 2;
+    if (packed && force_tpc == 1) return fprintf(stderr, "packed sequences have no one-thread-a-channel kernel\n"), 2;
     if (N < 1 || N > 256) return fprintf(stderr, "dstate 1..256\n"), 2;
     if ((bld ? D : L) % 8 != 0) return fprintf(stderr, "the tiled kernel needs %s a multiple of 8 (bf16)\n", bld ? "dim" : "seqlen"), 2;
     if (ckl % 32 != 0 || ckl < 0) return fprintf(stderr, "checkpoint_len: 0 or a multiple of 32\n"), 2;
 
     // Inputs: bench/bench_selective_scan.py's kind (dt = softplus(delta + bias) ~ 0.05).
     const int64_t nx = B * D * L, nbc = B * N * L, ncp = ckl ? (L + ckl - 1) / ckl : 0;
-    std::vector<float> u(nx), delta(nx), z(nx), Bm(nbc), Cm(nbc), A(D * N), Dv(D), bias(D), h0(B * D * N, 0.f);
+    const int64_t state_rows = packed ? S_ : B;  // rows of initial and final states (packed: sequences)
+    const int64_t nstate = state_rows * D * N;
+    std::vector<float> u(nx), delta(nx), z(nx), Bm(nbc), Cm(nbc), A(D * N), Dv(D), bias(D), h0(nstate, 0.f);
     for (auto& x : u) x = bf(1.7f * symmetric());
     for (auto& x : delta) x = bf(0.85f * symmetric() - 3.f);
     for (auto& x : z) x = bf(1.7f * symmetric());
@@ -102,7 +114,7 @@ int main(int argc, char** argv) {
     p.A = upload(A), p.D = upload(Dv), p.delta_bias = upload(bias);
     p.initial_state = with_h0 ? upload(h0) : nullptr;
     bf16* out = upload(std::vector<bf16>(nx));
-    p.out = out, p.final_state = upload(std::vector<float>(B * D * N));
+    p.out = out, p.final_state = upload(std::vector<float>(nstate));
     p.batch = B, p.dim = D, p.seqlen = L, p.dstate = N, p.dim_per_group = D;
     if (bld) {
         p.x_stride_batch = L * D, p.x_stride_dim = 1, p.x_stride_seq = D;
@@ -126,21 +138,62 @@ int main(int argc, char** argv) {
         ps.n_chunks = (L + ps.chunk_len - 1) / ps.chunk_len;
         if (ps.n_chunks > 1) ps.workspace = upload(std::vector<float>((ps.n_chunks - 1) * B * D * (8 * tpc + 1), 0.f));
     }
-    const bool one_thread = N <= 16 && (force_tpc ? force_tpc == 1
+    const bool one_thread = N <= 16 && !packed && (force_tpc ? force_tpc == 1
                                                   : tiles * ps.n_chunks >= target * 7 / 8 &&
                                                         (ps.n_chunks == 1 || ps.chunk_len >= 384));
     const int out_tpc = one_thread ? 1 : tpc;
+
+    // Packed: the boundaries (cu_seqlens), made once the split's chunks are known.
+    std::vector<int32_t> cu;
+    if (packed) {
+        if (garbage) {
+            cu.resize(S_ + 1);
+            for (auto& x : cu) x = int32_t(uniform() * float(L + 101)) - 50;
+        } else {
+            // First the positions that matter most, in order, then random ones.
+            std::vector<int64_t> want = {0, 1, L, L - 1, 13};  // an empty first sequence, length-1 ones, an empty last one
+            if (ps.n_chunks > 1)
+                for (int64_t k = 1; k < ps.n_chunks; ++k) {
+                    want.push_back(k * ps.chunk_len);  // on a chunk edge (twice: an empty sequence there)
+                    if (k == 1) want.push_back(k * ps.chunk_len), want.push_back(k * ps.chunk_len + 1);
+                }
+            if (ckl) want.push_back(ckl), want.push_back(2 * ckl + 5);
+            want.push_back(16), want.push_back(48), want.push_back(33);  // tile edges of f32 and bf16 tiles, and past one
+            std::vector<int64_t> inner;
+            for (int64_t x : want)
+                if (int64_t(inner.size()) < S_ - 1 && x >= 0 && x <= L) inner.push_back(x);
+            while (int64_t(inner.size()) < S_ - 1) inner.push_back(std::min<int64_t>(L, int64_t(uniform() * float(L + 1))));
+            std::sort(inner.begin(), inner.end());
+            cu.push_back(0);
+            for (int64_t x : inner) cu.push_back(int32_t(x));
+            cu.push_back(int32_t(L));
+        }
+        p.cu_seqlens = ps.cu_seqlens = upload(cu);
+        p.num_seqs = ps.num_seqs = S_;
+    }
     // tiled_bc_form: vectors along time ("bdl"); along the states only from 16 threads a channel.
     auto vec_form = [&](int t) { return !bld || (t >= 16 && N % 8 == 0); };
 
     auto launch = [&](auto kernel, int channels, int threads, int smem, int64_t chunks) {
+        if (!kernel) return;
         CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         const dim3 grid(unsigned((D + channels - 1) / channels), unsigned(B), unsigned(chunks));
         kernel<<<grid, threads, smem>>>(ps);
     };
-#define FWD_FORM(PASS, TPC, FORM, CHUNKS)                                                                     \
-    launch(selective_scan_fwd_##PASS##_bf16_bf16_tpc##TPC##_##FORM, Tiled<TPC>::kChannels, Tiled<TPC>::kThreads, \
-           Tile<bf16, TPC>::kSharedBytes, CHUNKS)
+#define FWD_FORM(PASS, TPC, FORM, CHUNKS)                                                                      \
+    launch(packed ? PACKED_##PASS(TPC, FORM) : selective_scan_fwd_##PASS##_bf16_bf16_tpc##TPC##_##FORM,            \
+           Tiled<TPC>::kChannels, Tiled<TPC>::kThreads, Tile<bf16, TPC>::kSharedBytes, CHUNKS)
+// The packed kernels (none at one thread a channel: nullptr, refused above).
+#define PACKED_tiled(TPC, FORM) PACKED_NAME(tiled_packed, TPC, FORM)
+#define PACKED_tiled_local(TPC, FORM) PACKED_NAME(tiled_local_packed, TPC, FORM)
+#define PACKED_NAME(PASS, TPC, FORM) PACKED_PICK(PASS, TPC, FORM)
+#define PACKED_PICK(PASS, TPC, FORM) PACKED_##TPC(PASS, FORM)
+#define PACKED_1(PASS, FORM) nullptr
+#define PACKED_2(PASS, FORM) selective_scan_fwd_##PASS##_bf16_bf16_tpc2_##FORM
+#define PACKED_4(PASS, FORM) selective_scan_fwd_##PASS##_bf16_bf16_tpc4_##FORM
+#define PACKED_8(PASS, FORM) selective_scan_fwd_##PASS##_bf16_bf16_tpc8_##FORM
+#define PACKED_16(PASS, FORM) selective_scan_fwd_##PASS##_bf16_bf16_tpc16_##FORM
+#define PACKED_32(PASS, FORM) selective_scan_fwd_##PASS##_bf16_bf16_tpc32_##FORM
 #define FWD_TPC(PASS, TPC, CHUNKS) \
     (vec_form(TPC) ? FWD_FORM(PASS, TPC, varying_vec, CHUNKS) : FWD_FORM(PASS, TPC, varying, CHUNKS))
     bool first_pass_only = false;
@@ -166,54 +219,86 @@ int main(int argc, char** argv) {
     auto lanes = [&] {
         if (B * D == 0) return;
         const unsigned grid = unsigned((B * D * ns + 127) / 128);
-        if (ns == 1) selective_scan_fwd_lanes_bf16_bf16_ns1<<<grid, 128>>>(p);
-        else if (ns == 2) selective_scan_fwd_lanes_bf16_bf16_ns2<<<grid, 128>>>(p);
-        else if (ns == 4) selective_scan_fwd_lanes_bf16_bf16_ns4<<<grid, 128>>>(p);
-        else if (ns == 8) selective_scan_fwd_lanes_bf16_bf16_ns8<<<grid, 128>>>(p);
-        else if (ns == 16) selective_scan_fwd_lanes_bf16_bf16_ns16<<<grid, 128>>>(p);
-        else selective_scan_fwd_lanes_bf16_bf16_ns32<<<grid, 128>>>(p);
+#define FWD_LANES(NS)                                                               \
+    (packed ? selective_scan_fwd_lanes_packed_bf16_bf16_ns##NS : selective_scan_fwd_lanes_bf16_bf16_ns##NS)<<<grid, 128>>>(p)
+        if (ns == 1) FWD_LANES(1);
+        else if (ns == 2) FWD_LANES(2);
+        else if (ns == 4) FWD_LANES(4);
+        else if (ns == 8) FWD_LANES(8);
+        else if (ns == 16) FWD_LANES(16);
+        else FWD_LANES(32);
     };
-    printf("%s %lldx%lldx%lldx%lld %s: tiled at %d thread(s) a channel, %lld chunk(s) of %lld, checkpoint_len %lld, h0 %d\n",
+    printf("%s %lldx%lldx%lldx%lld %s: tiled at %d thread(s) a channel, %lld chunk(s) of %lld, checkpoint_len %lld, h0 %d",
            check ? "check" : "time", (long long)B, (long long)D, (long long)L, (long long)N, bld ? "bld" : "bdl", out_tpc,
            (long long)ps.n_chunks, (long long)ps.chunk_len, (long long)ckl, int(with_h0));
+    if (packed) {
+        printf(", %lld packed sequences%s:", (long long)S_, garbage ? " (invalid boundaries)" : "");
+        for (size_t i = 0; i < cu.size() && i < 24; ++i) printf(" %d", cu[i]);
+        if (cu.size() > 24) printf(" ...");
+    }
+    printf("\n");
 
     struct Result {
         std::vector<float> out, state, ckpt;
     };
     auto run = [&](auto f) {
         CK(cudaMemset(out, 0xff, nx * 2));  // NaN: an output left unwritten fails
-        CK(cudaMemset(p.final_state, 0xff, B * D * N * 4));
+        CK(cudaMemset(p.final_state, 0xff, nstate * 4));
         if (ckl) CK(cudaMemset(p.checkpoints, 0xff, B * D * ncp * N * 4));
         f();
         CK(cudaGetLastError());
         CK(cudaDeviceSynchronize());
-        return Result{from_bf16(download(out, nx)), download(p.final_state, B * D * N),
+        return Result{from_bf16(download(out, nx)), download(p.final_state, nstate),
                       ckl ? download(p.checkpoints, B * D * ncp * N) : std::vector<float>()};
     };
 
+    if (check && garbage) {
+        // Invalid boundaries: whatever the results, every launch must finish without a fault.
+        if (B * D > 0) {
+            run(tiled);
+            run(lanes);
+        }
+        printf("  tiled and lanes ran\nPASS\n");
+        return 0;
+    }
     if (check) {
         // Reference: the recurrence in double over the same (bf16-rounded) inputs.
-        std::vector<double> r_out(nx), r_state(B * D * N), r_ckpt(B * D * ncp * N);
+        std::vector<double> r_out(nx), r_state(nstate), r_ckpt(B * D * ncp * N);
         std::vector<double> h(N);
+        // Step l of channel (b, d): h from the state entering it; its output into r_out. Then the
+        // checkpoint of the state entering step l + 1, if one is taken there.
+        auto step = [&](int64_t b, int64_t d, int64_t l) {
+            const int64_t xi = bld ? (b * L + l) * D + d : (b * D + d) * L + l;
+            const double x = double(delta[xi]) + bias[d];
+            const double dt = x > 20 ? x : std::log1p(std::exp(x));
+            double y = 0;
+            for (int64_t n = 0; n < N; ++n) {
+                const int64_t bi = bld ? (b * L + l) * N + n : (b * N + n) * L + l;
+                h[n] = std::exp(dt * A[d * N + n]) * h[n] + dt * Bm[bi] * u[xi];
+                y += Cm[bi] * h[n];
+            }
+            y += double(Dv[d]) * u[xi];
+            r_out[xi] = y * z[xi] / (1 + std::exp(-double(z[xi])));
+            if (ckl && (l + 1) % ckl == 0 && l + 1 < L)
+                for (int64_t n = 0; n < N; ++n) r_ckpt[((b * D + d) * ncp + (l + 1) / ckl) * N + n] = h[n];
+        };
         for (int64_t b = 0; b < B; ++b)
             for (int64_t d = 0; d < D; ++d) {
-                for (int64_t n = 0; n < N; ++n) h[n] = h0[(b * D + d) * N + n];
-                for (int64_t l = 0; l < L; ++l) {
-                    if (ckl && l % ckl == 0)
-                        for (int64_t n = 0; n < N; ++n) r_ckpt[((b * D + d) * ncp + l / ckl) * N + n] = h[n];
-                    const int64_t xi = bld ? (b * L + l) * D + d : (b * D + d) * L + l;
-                    const double x = double(delta[xi]) + bias[d];
-                    const double dt = x > 20 ? x : std::log1p(std::exp(x));
-                    double y = 0;
-                    for (int64_t n = 0; n < N; ++n) {
-                        const int64_t bi = bld ? (b * L + l) * N + n : (b * N + n) * L + l;
-                        h[n] = std::exp(dt * A[d * N + n]) * h[n] + dt * Bm[bi] * u[xi];
-                        y += Cm[bi] * h[n];
-                    }
-                    y += double(Dv[d]) * u[xi];
-                    r_out[xi] = y * z[xi] / (1 + std::exp(-double(z[xi])));
+                if (ckl && L > 0)  // the state entering step 0 (packed: before the first sequence, 0)
+                    for (int64_t n = 0; n < N; ++n) r_ckpt[((b * D + d) * ncp) * N + n] = packed ? 0.0 : h0[(b * D + d) * N + n];
+                if (!packed) {
+                    for (int64_t n = 0; n < N; ++n) h[n] = h0[(b * D + d) * N + n];
+                    for (int64_t l = 0; l < L; ++l) step(b, d, l);
+                    for (int64_t n = 0; n < N; ++n) r_state[(b * D + d) * N + n] = h[n];
+                    continue;
                 }
-                for (int64_t n = 0; n < N; ++n) r_state[(b * D + d) * N + n] = h[n];
+                // Packed: each sequence alone, from its initial state (a checkpoint inside holds the
+                // state of the sequence whose step precedes it).
+                for (int64_t s = 0; s < S_; ++s) {
+                    for (int64_t n = 0; n < N; ++n) h[n] = h0[(s * D + d) * N + n];
+                    for (int64_t l = cu[s]; l < cu[s + 1]; ++l) step(b, d, l);
+                    for (int64_t n = 0; n < N; ++n) r_state[(s * D + d) * N + n] = h[n];
+                }
             }
         int fails = 0;
         auto compare = [&](const char* name, const Result& got) {
@@ -226,7 +311,7 @@ int main(int argc, char** argv) {
                    ok ? "ok" : "FAIL");
             fails += !ok;
         };
-        if (nx > 0) {
+        if (B * D > 0) {
             compare("tiled", run(tiled));
             compare("lanes", run(lanes));
         }

@@ -5,11 +5,13 @@
 #   bash tests/cuda/run.sh [check|time|all]
 # check (the default): every correctness matrix; exits 1 if any build or case fails.
 # time: CUDA-event timings of the benchmark shapes (kernel level; BENCHMARKS.md, "Method").
+# build: the binaries only (build while the GPU does something else, then run with
+#   TESTS_CUDA_REUSE=1, which keeps binaries already built).
 # Binaries and logs go to $OUT/tests_cuda (the device tool's folder) or /tmp/tests_cuda.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 mode="${1:-check}"
-case "$mode" in check | time | all) ;; *) echo "usage: $0 [check|time|all]" >&2; exit 2 ;; esac
+case "$mode" in check | time | all | build) ;; *) echo "usage: $0 [check|time|all|build]" >&2; exit 2 ;; esac
 nvcc="${NVCC:-nvcc}"
 bin="${OUT:-/tmp}/tests_cuda"
 mkdir -p "$bin"
@@ -29,6 +31,7 @@ build() {
   local name=$1 src=$2 a=$3
   shift 3
   builds+=("$name")
+  [ -n "${TESTS_CUDA_REUSE:-}" ] && [ -x "$bin/$name" ] && return
   "$nvcc" -O3 -std=c++17 -gencode=arch=compute_$a,code=sm_$a "$@" -o "$bin/$name" "tests/cuda/$src" >"$bin/$name.build.log" 2>&1 &
 }
 build fwd_check fwd_check.cu "$arch"
@@ -53,6 +56,7 @@ for b in "${builds[@]}"; do
   fi
 done
 
+[ "$mode" = build ] && { echo "built: ${builds[*]}; ${#failed[@]} failed"; [ ${#failed[@]} -eq 0 ]; exit; }
 cases=0
 run() {  # run BINARY ARGS...: one case; a failure is counted, not fatal
   local exe=$1
@@ -82,6 +86,22 @@ if [ "$mode" != time ]; then
   run fwd_check check 1 32 520 256 bld 0 2 64 1      # 32 threads a channel, channel-last, 2 chunks
   run fwd_check check 8 3712 64 16 bld 0 0 32 1      # a grid large enough for one thread a channel (auto)
   run fwd_check check 1 4096 3072 16 bdl 0 0 32 1    # split into 384-step chunks: first pass at 2 threads, second at 1
+  # packed sequences (last argument: how many; batch 1): empty and length-1 sequences, boundaries on
+  # chunk and checkpoint edges, off tile edges and at seqlen, against each sequence scanned alone
+  #               batch dim seqlen dstate layout tpc chunks checkpoint_len h0 seqs
+  run fwd_check check 1 64 1000 16 bdl 0 0 0 1 9       # the launcher's split (11 chunks of 96)
+  run fwd_check check 1 64 1000 16 bdl 0 0 32 0 40     # split, checkpoints, many short sequences, no initial state
+  run fwd_check check 1 64 1000 16 bdl 0 1 64 1 40     # unsplit, checkpoints
+  run fwd_check check 1 136 520 13 bld 0 3 64 1 12     # channel-last, odd dstate, partial channel tile, 3 chunks
+  run fwd_check check 1 96 1000 32 bld 0 0 32 1 7      # 4 threads a channel, split
+  run fwd_check check 1 128 160 64 bdl 0 1 32 1 6      # 8 threads a channel
+  run fwd_check check 1 64 96 128 bld 0 2 32 1 5       # 16 threads a channel, B/C as vectors, 2 chunks
+  run fwd_check check 1 40 1000 200 bdl 0 0 32 1 17    # 32 threads a channel, partial states, split
+  run fwd_check check 1 64 256 16 bdl 2 4 32 1 1       # one sequence: as unpacked
+  run fwd_check check 1 64 0 16 bdl 0 0 0 1 3          # seqlen 0: every sequence empty
+  run fwd_check check 1 4096 3072 16 bdl 0 0 32 1 50   # split into 384-step chunks (two threads a channel)
+  run fwd_check check 1 64 1000 16 bdl 0 0 32 1 -9     # invalid boundaries: no fault (also under compute-sanitizer)
+  run fwd_check check 1 64 200 64 bld 0 2 0 1 -30
 
   section "bwd_check: the selective scan backward (kernels/selective_scan_bwd.cu), kernel and both reductions:" \
     "every gradient against a double-precision reverse recurrence"
@@ -113,6 +133,21 @@ if [ "$mode" != time ]; then
   # dstate 64 and 128 with 2-byte B/C staged in vectors (their swizzled shared rows)
   run bwd_check check 2 128 160 64 1 bdl bf16 32 1 1 1 1 1 1
   run bwd_check check 1 64 96 128 2 bld bf16 32 1 1 1 1 1 1
+  # packed sequences (the _packed kernels, batch 1; last argument: sequences), against each sequence's
+  # backward alone: boundaries on and off part, checkpoint, tile and piece edges, empty and length-1
+  # sequences, at seqlen; NaN checkpoints at boundaries, NaN-filled dinitial_state rows
+  #               batch dim seqlen dstate groups layout dtype ckl z D bias sp h0 dfin seqs
+  run bwd_check check 1 64 300 16 1 bdl f32 32 1 1 1 1 1 1 12             # split: 10 parts of one chunk
+  SSB_PARTS=1 run bwd_check check 1 64 300 16 1 bdl f32 32 1 1 1 1 1 1 12 # unsplit
+  SSB_PARTS=3 run bwd_check check 1 64 500 16 1 bld f32 64 1 1 1 1 1 1 20 # 3 parts of 3 two-tile chunks
+  run bwd_check check 1 130 333 16 1 bdl bf16 96 1 1 1 1 1 1 30           # three-tile chunks, a partial channel tile
+  run bwd_check check 1 96 200 16 0 bdl f32 64 1 0 1 0 1 0 9              # time-invariant B/C, no dfinal_state
+  run bwd_check check 1 96 200 16 4 bld bf16 32 0 1 0 1 0 1 9             # groups, no initial state
+  run bwd_check check 1 40 150 64 2 bdl f32 32 1 1 1 1 1 1 200            # more sequences than steps (8 threads a channel)
+  run bwd_check check 1 20 90 200 1 bld f32 32 1 1 1 1 1 1 15             # 32 threads a channel, partial states
+  run bwd_check check 1 64 2000 16 1 bdl bf16 32 1 1 1 1 1 1 3            # long sequences, tiles copied ahead
+  run bwd_check check 1 64 0 16 1 bdl f32 32 1 1 1 1 1 1 3                # seqlen 0: every sequence empty
+  run bwd_check check 1 64 300 16 1 bdl f32 32 1 1 1 1 1 1 -40            # invalid boundaries: stays in bounds (sanitizer)
 
   for v in ssd_fwd_check ssd_fwd_check_sync; do
     [[ " ${builds[*]} " == *" $v "* ]] || continue
@@ -182,11 +217,14 @@ if [ "$mode" != check ]; then
   run fwd_check time 16 5120 2048 16 bdl
   run fwd_check time 1 4096 16384 16 bdl
   run fwd_check time 1 1536 2048 16 bdl
+  run fwd_check time 1 4096 16384 16 bld                  # packed, below: against this
+  run fwd_check time 1 4096 16384 16 bld 0 0 0 0 8        # the same tokens packed in 8 sequences
   run fwd_check time 8 4096 2048 64 bdl
   run bwd_check time 8 4096 2048 16 1 bdl bf16 32 1 1 1 1 0 0
   run bwd_check time 8 4096 2048 16 1 bdl bf16 64 1 1 1 1 0 0
   run bwd_check time 8 4096 2048 16 1 bld bf16 64 1 1 1 1 0 0
   run bwd_check time 1 1536 2048 16 1 bdl bf16 32 1 1 1 1 0 0
+  run bwd_check time 1 1536 2048 16 1 bdl bf16 32 1 1 1 1 0 0 16   # the same packed in 16 sequences
   run bwd_check time 8 4096 2048 16 0 bdl bf16 64 1 1 1 1 0 0
   run bwd_check time 8 4096 2048 64 1 bdl bf16 32 1 1 1 1 0 0
   run ssd_fwd_check time 8 2048 64 1 128 bf16 256 1 0 1 1 0 0 0

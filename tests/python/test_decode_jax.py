@@ -129,6 +129,163 @@ def test_causal_conv1d_and_grad(layout, width, bias, init, act):
         close(g, v, 1e-5)
 
 
+def conv_boundaries(rng, total):
+    """Random lengths adding up to `total`, with empty, length-1 and length-2 sequences among them."""
+    lens = [0, 1, 2]
+    left = total - 3
+    while left:
+        length = min(left, int(rng.choice([0, 1, 2, rng.integers(3, 30)])))
+        lens.append(length)
+        left -= length
+    rng.shuffle(lens)
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def conv_problem(seed, layout="bdl", width=4, dtype=F32, bias=True, init=True, dim=10, total=70):
+    rng = np.random.default_rng(seed)
+    cu = conv_boundaries(rng, total)
+    shape = (1, dim, total) if layout == "bdl" else (1, total, dim)
+    return dict(
+        x=rnd(rng, shape, dtype),
+        weight=rnd(rng, (dim, width), dtype, 0.5),
+        bias=rnd(rng, (dim,), dtype) if bias else None,
+        initial_states=rnd(rng, (len(cu) - 1, dim, width - 1), dtype) if init else None,
+    ), cu
+
+
+@pytest.mark.parametrize("layout", ["bdl", "bld"])
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("dtype,bias,init,act", [
+    (F32, True, True, "silu"), (F32, False, False, None), (BF16, True, False, "silu"), (BF16, False, True, None),
+])  # fmt: skip
+def test_causal_conv1d_packed_matches_per_sequence(layout, width, dtype, bias, init, act):
+    args, cu = conv_problem(width + 10 * bias, layout, width, dtype, bias, init)
+    tol = 1e-5 if dtype == F32 else 2e-2
+    kw = dict(activation=act, layout=layout, return_final_states=True, cu_seqlens=cu)
+    out, last = jax.jit(lambda a, c: xla_ssm.causal_conv1d(**a, **{**kw, "cu_seqlens": c}))(args, cu)
+    want_out, want_last = xla_ssm.causal_conv1d_ref(**args, **kw)
+    close(out, want_out, tol)
+    assert last.shape == (len(cu) - 1, 10, width - 1) and last.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(last, np.float32), np.asarray(want_last, np.float32))
+
+    cot = jnp.asarray(np.random.default_rng(0).standard_normal(out.shape), F32)
+
+    def loss(fn):
+        def f(a):
+            o, fin = fn(**a, **kw)
+            return jnp.sum(o.astype(F32) * cot) + jnp.sum(jnp.sin(fin.astype(F32)))
+
+        return f
+
+    diff = {k: v for k, v in args.items() if v is not None}
+    got = jax.jit(jax.grad(loss(xla_ssm.causal_conv1d)))(diff)
+    want = jax.grad(loss(xla_ssm.causal_conv1d_ref))(diff)
+    for name in diff:
+        close(got[name], want[name], 3 * tol)
+
+
+def test_causal_conv1d_packed_equals_separate_calls():
+    """Each packed sequence's out and final state are what a call on that sequence alone gives, and
+    the final states continue with causal_conv1d_update."""
+    args, cu = conv_problem(20, "bld", 4, F32)
+    out, last = xla_ssm.causal_conv1d(**args, activation="silu", layout="bld", return_final_states=True, cu_seqlens=cu)
+    nxt = jnp.asarray(np.random.default_rng(1).standard_normal((len(cu) - 1, 10)), F32)
+    for s in range(len(cu) - 1):
+        part = args["x"][:, cu[s] : cu[s + 1]]
+        h0 = args["initial_states"][s : s + 1]
+        o, fin = xla_ssm.causal_conv1d(
+            part, args["weight"], args["bias"], h0, activation="silu", layout="bld", return_final_states=True
+        )
+        close(out[:, cu[s] : cu[s + 1]], o, 1e-6)
+        np.testing.assert_array_equal(np.asarray(last[s : s + 1]), np.asarray(fin))
+        y, _ = xla_ssm.causal_conv1d_update(nxt[s : s + 1], last[s : s + 1], args["weight"], args["bias"], "silu")
+        full = jnp.concatenate([part, nxt[s : s + 1, None, :]], axis=1)
+        want = xla_ssm.causal_conv1d_ref(full, args["weight"], args["bias"], h0, "silu", "bld")[:, -1]
+        close(y, want, 1e-5)
+
+
+def test_causal_conv1d_packed_traced_boundaries_and_the_cpu_check():
+    args, cu = conv_problem(21)
+    run = jax.jit(lambda a, c: xla_ssm.causal_conv1d(**a, activation="silu", cu_seqlens=c, return_final_states=True))
+    out, last = run(args, jnp.asarray(cu))
+    want_out, want_last = xla_ssm.causal_conv1d_ref(**args, activation="silu", cu_seqlens=cu, return_final_states=True)
+    close(out, want_out, 1e-5)
+    close(last, want_last, 0)
+    bad = cu.copy()
+    bad[3], bad[4] = bad[4] + 1, bad[3]  # decreasing, and not checked in Python: traced
+    if jax.default_backend() == "cpu":
+        with pytest.raises(Exception, match="cu_seqlens"):
+            jax.block_until_ready(run(args, jnp.asarray(bad)))
+
+
+def test_causal_conv1d_packed_empty():
+    w = jnp.ones((6, 3), F32)
+    for cu, h0 in (([0], None), ([0, 0, 0], jnp.ones((2, 6, 2), F32))):
+        x = jnp.zeros((1, 6, 0), F32)
+        out, last = xla_ssm.causal_conv1d(x, w, initial_states=h0, return_final_states=True, cu_seqlens=cu)
+        assert out.shape == (1, 6, 0) and last.shape == (len(cu) - 1, 6, 2)
+        if h0 is not None:
+            np.testing.assert_array_equal(np.asarray(last), np.asarray(h0))
+
+            def final_sum(h, x=x, cu=cu):
+                return xla_ssm.causal_conv1d(x, w, None, h, return_final_states=True, cu_seqlens=cu)[1].sum()
+
+            g = jax.grad(final_sum)(h0)
+            np.testing.assert_array_equal(np.asarray(g), np.ones_like(h0))
+
+
+@pytest.mark.parametrize("same_boundaries", [True, False])
+def test_causal_conv1d_packed_vmap(same_boundaries):
+    a1, cu1 = conv_problem(22)
+    cu2 = cu1
+    if not same_boundaries:  # the same number of sequences, other boundaries
+        cu2 = np.sort(np.random.default_rng(5).integers(0, 71, len(cu1))).astype(np.int32)
+        cu2[0], cu2[-1] = 0, 70
+    xs = jnp.stack([a1["x"], jnp.flip(a1["x"], -1)])
+    h0s = jnp.stack([a1["initial_states"], -a1["initial_states"]])
+    cus = jnp.stack([jnp.asarray(cu1), jnp.asarray(cu2)])
+
+    def one(x, h0, cu):
+        return xla_ssm.causal_conv1d(x, a1["weight"], a1["bias"], h0, "silu", return_final_states=True, cu_seqlens=cu)
+
+    out, last = jax.jit(jax.vmap(one))(xs, h0s, cus)
+    gx = jax.jit(jax.vmap(jax.grad(lambda x, h0, cu: jnp.sum(jnp.cos(one(x, h0, cu)[0])))))(xs, h0s, cus)
+    for i, cu in enumerate((cu1, cu2)):
+        kw = dict(activation="silu", return_final_states=True, cu_seqlens=cu)
+        want_out, want_last = xla_ssm.causal_conv1d_ref(xs[i], a1["weight"], a1["bias"], h0s[i], **kw)
+        close(out[i], want_out, 1e-5)
+        close(last[i], want_last, 0)
+
+        def ref_loss(x, h0=h0s[i], cu=cu):
+            return jnp.sum(jnp.cos(xla_ssm.causal_conv1d_ref(x, a1["weight"], a1["bias"], h0, "silu", cu_seqlens=cu)))
+
+        want_g = jax.grad(ref_loss)(xs[i])
+        close(gx[i], want_g, 1e-5)
+
+
+@pytest.mark.parametrize("cu, match", [
+    ([1, 5, 70], "start at 0"), ([0, 40, 30, 70], "never decrease"), ([0, 5, 69], "end at seqlen"),
+    ([0, 5, 71], "end at seqlen"), ([0], "end at seqlen"),
+])  # fmt: skip
+def test_causal_conv1d_packed_bad_boundaries(cu, match):
+    args, _ = conv_problem(24, init=False)
+    with pytest.raises(ValueError, match=match):
+        xla_ssm.causal_conv1d(**args, cu_seqlens=np.asarray(cu, np.int32))
+
+
+def test_causal_conv1d_packed_shape_errors():
+    args, cu = conv_problem(25)
+    x2 = jnp.concatenate([args["x"], args["x"]])
+    with pytest.raises(ValueError, match="batch row"):
+        xla_ssm.causal_conv1d(x2, args["weight"], cu_seqlens=cu)
+    with pytest.raises(ValueError, match="rank-1 integer"):
+        xla_ssm.causal_conv1d(args["x"], args["weight"], cu_seqlens=cu.astype(np.float32))
+    with pytest.raises(ValueError, match="rank-1 integer"):
+        xla_ssm.causal_conv1d(args["x"], args["weight"], cu_seqlens=cu[None])
+    with pytest.raises(ValueError, match=r"initial_states \(num_seqs rows"):
+        xla_ssm.causal_conv1d(args["x"], args["weight"], initial_states=args["initial_states"][1:], cu_seqlens=cu)
+
+
 @pytest.mark.parametrize("dtype,tol", [(F32, 1e-5), (BF16, 1e-2)])
 def test_conv_update_continues_the_forward_conv(dtype, tol):
     rng = np.random.default_rng(4)

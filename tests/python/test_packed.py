@@ -12,13 +12,6 @@ import xla_ssm
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
-# The CUDA target refuses packed calls until its kernels apply the boundary rule
-# (xla_ssm::cuda::PACKED_SEQUENCES): these run on the CPU target.
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu", reason="packed sequences: the CUDA target refuses them for now"
-)
-
-
 def rnd(rng, shape, dtype=F32, scale=1.0):
     return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
 

@@ -184,6 +184,26 @@ def test_causal_conv1d(signatures, calls, bias, h0):
     check(signatures, calls, ["xla_ssm_causal_conv1d_fwd", "xla_ssm_causal_conv1d_bwd"])
 
 
+@pytest.mark.parametrize("bias, h0", list(itertools.product([False, True], repeat=2)))
+def test_causal_conv1d_packed(signatures, calls, bias, h0):
+    rng = np.random.default_rng(5)
+    dim, seqlen, width = 8, 12, 4
+    cu = np.asarray([0, 0, 1, 9, 12], np.int32)
+    x, w = rnd(rng, (1, seqlen, dim)), rnd(rng, (dim, width))
+    b = rnd(rng, (dim,)) if bias else None
+    h = rnd(rng, (4, dim, width - 1)) if h0 else None
+
+    def loss(x, w):
+        out, last = xla_ssm.causal_conv1d(
+            x, w, b, h, activation="silu", layout="bld", return_final_states=True, cu_seqlens=cu
+        )
+        return out.sum() + last.sum()
+
+    jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, w)
+    check(signatures, calls, ["xla_ssm_causal_conv1d_fwd", "xla_ssm_causal_conv1d_bwd"])
+    assert all(c[3].get("has_cu_seqlens") for c in calls)
+
+
 @pytest.mark.parametrize("d, z, bias, pool", list(itertools.product([False, True], repeat=4)))
 def test_decode(signatures, calls, d, z, bias, pool):
     rng = np.random.default_rng(3)

@@ -26,11 +26,6 @@ CLAMP = (0.03, 0.4)
 
 
 
-# Packed sequences run on the CPU target only: the CUDA target refuses them until its kernels apply
-# the boundary rule (xla_ssm::cuda::PACKED_SEQUENCES).
-cpu_only_packed = pytest.mark.skipif(
-    jax.default_backend() != "cpu", reason="packed sequences: the CUDA target refuses them for now"
-)
 
 def make_case(seed, batch, seqlen, heads, headdim, dstate, groups=1, *, dtype=F32, d=1, z=True, bias=True, h0=True):
     """Arrays for ssd / ssd_ref (d: 0 no D, 1 per head, 2 per channel); dt is drawn so that
@@ -343,7 +338,6 @@ def sequence(kw, cu, s):
 PACKED_LENS = [0, 7, 1, 40, 0, 33, 64, 2, 0]  # empty and length-1 ones, boundaries off the chunk grid
 
 
-@cpu_only_packed
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_packed_forward(dtype):
     """Packed == one call per sequence == ssd_ref, under jit with the boundaries traced."""
@@ -361,7 +355,6 @@ def test_packed_forward(dtype):
     assert_close("final_states", s, s_ref, STATE_TOL[dtype])
 
 
-@cpu_only_packed
 def test_packed_tensor_core_shape():
     """bf16, headdim 64, dstate 64, chunk 64: chunk_states in bf16 (the CUDA tensor-core shapes,
     which packed calls run on the generic path); gradients too."""
@@ -394,14 +387,12 @@ def check_packed_grads(kw, cu, static, seed=0):
         assert_close(f"d{k}", got[k], want[k], GRAD_TOL[dtype])
 
 
-@cpu_only_packed
 @pytest.mark.parametrize("d, limit", [(1, (0.0, np.inf)), (2, CLAMP)])
 def test_packed_grads(d, limit):
     kw, cu = make_packed(62, PACKED_LENS, d=d)
     check_packed_grads(kw, cu, dict(chunk_size=32, dt_softplus=True, dt_limit=limit))
 
 
-@cpu_only_packed
 def test_packed_grad_with_traced_boundaries():
     """cu_seqlens as a jit argument: no gradient for it, and the others equal per-sequence ones."""
     kw, cu = make_packed(63, [5, 0, 30, 1], d=0, z=False)
@@ -426,7 +417,6 @@ def test_packed_grad_with_traced_boundaries():
         assert_close(f"dinitial_states {i}", got["initial_states"][i], want["initial_states"][0], (1e-5, 1e-4))
 
 
-@cpu_only_packed
 def test_packed_vmap():
     """vmap of packed calls (each example its own boundaries): one example at a time."""
     cases = [make_packed(70 + i, lens) for i, lens in enumerate([[3, 0, 20, 9], [1, 31, 0, 0]])]
@@ -460,7 +450,7 @@ def test_packed_errors():
         xla_ssm.ssd(**{**kw, "initial_states": kw["initial_states"][:1]}, chunk_size=32, cu_seqlens=cu)
 
 
-@cpu_only_packed
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="only the CPU target reads traced boundaries")
 def test_packed_traced_bad_boundaries_refused_by_the_cpu_target():
     kw, _ = make_packed(66, [4, 6])
     f = jax.jit(lambda c: xla_ssm.ssd(**kw, chunk_size=32, cu_seqlens=c))

@@ -105,7 +105,6 @@ def test_groups_not_divisible_by_head_shards(mesh):
     assert GATHER.search(f.as_text())
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="packed sequences: the CUDA target refuses them for now")
 def test_packed_sharded_over_heads(mesh):
     """Packed sequences (batch 1) with the heads sharded: each shard runs its heads over every
     sequence; the state rows (sequences) and the boundaries stay whole; gradients are right."""

@@ -399,19 +399,21 @@ fn operand_bytes(call: &Call, e: &Entry, rng: &mut Rng) -> Vec<u8> {
     dt.encode(&values)
 }
 
-/// The sequence length of a selective scan call (u's dims in its layout).
+/// The sequence length of a call: its first operand's (u or x) in its layout (SSD: (batch, seqlen, ..)).
 fn call_seqlen(call: &Call) -> i64 {
-    let u = &call.operands.iter().find(|e| e.name == "u").expect("a selective scan call").dims;
+    let x = &call.operands[0].dims;
     let bld = call.attrs.iter().any(|(n, a)| n == "layout" && matches!(a, Attr::Str(s) if s == "bld"));
-    if bld {
-        u[1]
+    if bld || call.target.starts_with("xla_ssm_ssd") {
+        x[1]
     } else {
-        u[2]
+        x[2]
     }
 }
 
-/// The state operands and results of a selective scan: (batch or num_seqs, dim, dstate).
-const SCAN_STATES: [&str; 4] = ["initial_state", "final_state", "dfinal_state", "dinitial_state"];
+/// The state operands and results a packed call sizes by num_seqs: the selective scan's
+/// (num_seqs, dim, dstate), the conv's (num_seqs, dim, width - 1).
+const PACKED_STATES: [&str; 6] =
+    ["initial_state", "final_state", "dfinal_state", "dinitial_state", "initial_states", "dinitial_states"];
 
 impl Setup {
     fn new(call: Call, seed: u64) -> Setup {
@@ -843,11 +845,17 @@ fn shape_expect(s: &Setup, ret: bool, i: usize, dims: &[i64]) -> Expect {
             return invalid_named("cu_seqlens", &[&["shape"]]);
         }
         // Another num_seqs: the states, sized by it, no longer match.
-        if SCAN_STATES.iter().any(|n| s.named_slot(n).is_some()) {
+        if PACKED_STATES.iter().any(|n| s.named_slot(n).is_some()) {
             return invalid(&[SHAPE]);
         }
         // No state to disagree: the boundaries read, a prefix of the arena's or past them.
         return Expect::Either(vec![named("cu_seqlens")]);
+    }
+    if s.op == Op::ConvFwd && !ret && name == "weight" && s.operand("initial_states").is_none() {
+        let w = &s.operand_entry("weight").dims;
+        if dims.len() == 2 && dims[0] == w[0] && (2..=4).contains(&dims[1]) {
+            return either(&[SHAPE]); // another width, and nothing else sized by it
+        }
     }
     if s.op == Op::SsdFwd && !ret && name == "D" {
         let x = s.operand_entry("x");
@@ -1461,7 +1469,7 @@ fn gen_xla(kind: XKind, s: &Setup, rng: &mut Rng) -> Option<XCase> {
         }
         BoundaryValues => {
             let i = s.operand("cu_seqlens")?;
-            let (values, expect) = boundary_values(rng, &s.cu_seqlens()?, scan_seqlen(s));
+            let (values, expect) = boundary_values(rng, &s.cu_seqlens()?, call_seqlen(&s.call));
             args[i].data = values.as_ptr() as *mut c_void;
             let what = format!("cu_seqlens = {values:?}");
             keep = Some(values);

@@ -285,7 +285,17 @@ fn float_dt(code: i32) -> Option<Dt> {
 fn random_operand(c: &CallRecord, e: &Entry, rng: &mut Rng) -> Vec<u8> {
     let n = e.numel();
     if e.dtype == S32 && e.name == "cu_seqlens" {
-        let cu = random_cu_seqlens(rng, n - 1, scan_sizes(c).2 as usize);
+        let seqlen = if c.target.starts_with("xla_ssm_causal_conv1d") {
+            let x = &operand(c, "x").dims;
+            if layout_code(c) == XLA_SSM_LAYOUT_BLD {
+                x[1]
+            } else {
+                x[2]
+            }
+        } else {
+            scan_sizes(c).2
+        };
+        let cu = random_cu_seqlens(rng, n - 1, seqlen as usize);
         return cu.iter().flat_map(|v| v.to_le_bytes()).collect();
     }
     if e.dtype == S32 {

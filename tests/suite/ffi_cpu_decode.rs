@@ -11,7 +11,7 @@ use xla_ssm::xla::handlers as h;
 
 /// Runs `call` through `handler` on host buffers; returns the results' bytes (an aliased result is
 /// its operand's buffer after the call).
-fn run(handler: Handler, call: &Call) -> Result<Vec<Vec<u8>>, (i32, String)> {
+pub(crate) fn run(handler: Handler, call: &Call) -> Result<Vec<Vec<u8>>, (i32, String)> {
     let mut args: Vec<HostBuf> = call.args.iter().map(|a| HostBuf::from_bytes(&a.bytes)).collect();
     let mut rets: Vec<HostBuf> = call.rets.iter().map(|(a, _)| HostBuf::from_bytes(&a.bytes)).collect();
     let arg_bufs: Vec<Buf> = call

@@ -53,7 +53,7 @@ impl DevCall {
     }
 }
 
-fn run(handler: Handler, call: &Call, stream: &Stream) -> Result<Vec<Vec<u8>>, (i32, String)> {
+pub(crate) fn run(handler: Handler, call: &Call, stream: &Stream) -> Result<Vec<Vec<u8>>, (i32, String)> {
     let dev = DevCall::new(call);
     let mut frame = Frame::new(&dev.arg_bufs, &dev.ret_bufs, &call.attrs, stream.ptr());
     xla::call(handler, &mut frame)?;

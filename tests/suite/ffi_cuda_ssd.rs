@@ -303,13 +303,6 @@ fn packed_matches_host() {
         let case = SsdCase { seed: 900 + k as u64, ..case };
         let p = SsdProblem::packed(&case, &lens, k % 2 == 0);
         let case = &p.case;
-        if !xla_ssm::cuda::PACKED_SEQUENCES {
-            let (code, message) = gpu_fwd(&p, stream.ptr()).expect_err("a refused packed call");
-            assert_eq!(code, xla::ERR_UNIMPLEMENTED, "{message}");
-            assert!(message.contains("cu_seqlens"), "{message}");
-            eprintln!("packed SSD on CUDA: refused (the CUDA kernels do not take cu_seqlens yet): {message}");
-            continue;
-        }
         let got = gpu_fwd(&p, stream.ptr()).unwrap_or_else(|(c, m)| panic!("CUDA forward failed ({c}): {m}\n{case:?}"));
         let cs = got.chunk_states.clone().expect("chunk_states");
         check_fwd(case, &p.reference(), &packed_chunk0_zeroed(case, got.clone()), case.cuda_states_tol());

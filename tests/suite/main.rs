@@ -10,6 +10,7 @@ mod ssd_common;
 
 mod bad_inputs;
 mod c_api;
+mod conv1d_packed;
 mod cuda_big;
 mod determinism;
 mod exla_frames;

@@ -267,7 +267,7 @@ impl Packed {
             let (b, d, t, n) = (1, dim as i64, seqlen, n as i64);
             (
                 xla_ssm_selective_scan_fwd_workspace_bytes(b, d, t, n),
-                xla_ssm_selective_scan_bwd_workspace_bytes(b, d, t, n, CHECKPOINT_LEN),
+                xla_ssm_selective_scan_bwd_workspace_bytes(b, d, t, n, self.groups as i64),
             )
         } else {
             (0, 0)
@@ -375,49 +375,6 @@ impl Packed {
             dev.get(ptr, v);
         }
         r
-    }
-
-    #[cfg(feature = "cuda")]
-    /// The CUDA forward's refusal of this packed call (while the kernels do not take cu_seqlens).
-    fn refused_on_cuda(&self) -> String {
-        let (dim, n, t) = (self.dim, self.dstate, self.seqlen() as i64);
-        let dev = Device::new(true);
-        let mut out = vec![0f32; self.u.len()];
-        let mut last = vec![0f32; (self.cu.len() - 1) * dim * n];
-        let args = XlaSsmSelectiveScanFwdArgs {
-            batch: 1,
-            dim: dim as i64,
-            seqlen: t,
-            dstate: n as i64,
-            groups: self.groups as i64,
-            dtype: XLA_SSM_F32,
-            bc_dtype: XLA_SSM_F32,
-            layout: if self.bld { XLA_SSM_LAYOUT_BLD } else { XLA_SSM_LAYOUT_BDL },
-            delta_softplus: true,
-            u: dev.f32s(&self.u),
-            delta: dev.f32s(&self.delta),
-            a: dev.f32s(&self.a).cast(),
-            b: dev.f32s(&self.b),
-            c: dev.f32s(&self.c),
-            d: std::ptr::null(),
-            z: std::ptr::null(),
-            delta_bias: std::ptr::null(),
-            initial_state: std::ptr::null(),
-            out: dev.out(&mut out),
-            final_state: dev.out(&mut last).cast(),
-            workspace: std::ptr::null_mut(),
-            workspace_bytes: 0,
-            checkpoint_len: 0,
-            checkpoints: std::ptr::null_mut(),
-            cu_seqlens: dev.i32s(&self.cu).cast(),
-            num_seqs: (self.cu.len() - 1) as i64,
-        };
-        // SAFETY: device buffers of the described sizes.
-        let status = unsafe { xla_ssm_selective_scan_fwd_cuda_launch(&args, std::ptr::null_mut()) };
-        let message = crate::c_api::last_error();
-        assert_eq!(status, XLA_SSM_UNIMPLEMENTED, "{message}");
-        assert!(message.contains("cu_seqlens"), "{message}");
-        message
     }
 
     /// The per-sequence calls' results, put together as the packed call's.
@@ -599,11 +556,6 @@ fn cuda_matches_host() {
         let lens = lengths(&mut rng, total);
         let p = Packed::new(200 + i as u64, dim, dstate, groups, bld, &lens, h0, dfinal);
         let what = format!("dim {dim} dstate {dstate} groups {groups} bld {bld} total {total}");
-        if !xla_ssm::cuda::PACKED_SEQUENCES {
-            let status = p.refused_on_cuda();
-            eprintln!("packed selective scan on CUDA: refused (the CUDA kernels do not take cu_seqlens yet): {status}");
-            continue;
-        }
         compare(&what, &p.run(true, 0, 0, 0, true), &p.run(true, 0, 0, 0, false), 2e-4);
     }
 }

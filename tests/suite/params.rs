@@ -85,7 +85,7 @@ fn rust_layouts() -> Vec<Layout> {
         ConvParams => "ConvParams" {
             x, weight, bias, initial_states, conv_state, state_batch_indices, out, dout, dweight, dbias,
             dinitial_states, batch, dim, seqlen, width, n_slots, x_stride_batch, x_stride_dim, x_stride_seq,
-            silu, _reserved,
+            silu, _reserved, cu_seqlens, num_seqs,
         }
         DecodeParams => "DecodeParams" { ssm, conv_state, conv_weight, conv_bias, width }
         SsdParams => "SsdParams" {

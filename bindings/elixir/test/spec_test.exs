@@ -480,6 +480,36 @@ defmodule XlaSsm.SpecTest do
       end
     end
 
+    test "causal_conv1d packed sequences" do
+      ops = %{x: t({1, 30, 8}, :f32), weight: t({8, 4}, :f32), initial_states: t({3, 8, 3}, :f32), cu_seqlens: t({4}, :s32)}
+      fwd = Spec.causal_conv1d_fwd(ops, layout: "bld")
+      assert names(fwd.operands) == ~w(x weight initial_states cu_seqlens)
+      assert {"has_cu_seqlens", "true"} in fwd.attributes
+
+      bwd = Spec.causal_conv1d_bwd(Map.put(ops, :dout, t({1, 30, 8}, :f32)), layout: "bld")
+      assert names(bwd.operands) == ~w(x weight dout initial_states cu_seqlens)
+      assert bwd.results |> Enum.map(&elem(&1, 1)) == [{1, 30, 8}, {8, 4}, {3, 8, 3}]
+
+      unpacked = Spec.causal_conv1d_fwd(%{x: t({1, 8, 30}, :f32), weight: t({8, 4}, :f32)})
+      refute Enum.any?(unpacked.attributes, fn {name, _} -> name == "has_cu_seqlens" end)
+
+      assert_raise ArgumentError, ~r/operand `initial_states` must have shape \{4, 8, 3\} \(num_seqs/, fn ->
+        Spec.causal_conv1d_fwd(%{ops | cu_seqlens: t({5}, :s32)}, layout: "bld")
+      end
+
+      assert_raise ArgumentError, ~r/x's batch must be 1, got 2/, fn ->
+        Spec.causal_conv1d_fwd(%{ops | x: t({2, 30, 8}, :f32), initial_states: nil}, layout: "bld")
+      end
+
+      assert_raise ArgumentError, ~r/operand `cu_seqlens` must be s32/, fn ->
+        Spec.causal_conv1d_fwd(%{ops | cu_seqlens: t({4}, :f32)}, layout: "bld")
+      end
+
+      assert_raise ArgumentError, ~r/operand `cu_seqlens` must have shape \(num_seqs \+ 1\)/, fn ->
+        Spec.causal_conv1d_fwd(%{ops | cu_seqlens: t({0}, :s32)}, layout: "bld")
+      end
+    end
+
     test "mamba_decode_step names the conv operands" do
       ops = %{
         x: t({2, 8}, :f32),

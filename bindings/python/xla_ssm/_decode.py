@@ -191,8 +191,13 @@ def _activation(activation):
     return activation is not None
 
 
-def _conv_fwd_call(x, weight, bias, initial_states, silu, layout):
-    optional = [v for v in (bias, initial_states) if v is not None]
+def _packed_attr(cu_seqlens):
+    # Left out when unpacked: the attribute is optional (absent: false).
+    return {"has_cu_seqlens": np.bool_(True)} if cu_seqlens is not None else {}
+
+
+def _conv_fwd_call(x, weight, bias, initial_states, cu_seqlens, silu, layout):
+    optional = [v for v in (bias, initial_states, cu_seqlens) if v is not None]
     (out,) = _ffi(
         "xla_ssm_causal_conv1d_fwd",
         [jax.ShapeDtypeStruct(x.shape, x.dtype)],
@@ -202,27 +207,29 @@ def _conv_fwd_call(x, weight, bias, initial_states, silu, layout):
         layout=layout,
         has_bias=np.bool_(bias is not None),
         has_initial_states=np.bool_(initial_states is not None),
+        **_packed_attr(cu_seqlens),
     )
     return out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _conv(x, weight, bias, initial_states, silu, layout):
-    return _conv_fwd_call(x, weight, bias, initial_states, silu, layout)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _conv(x, weight, bias, initial_states, cu_seqlens, silu, layout):
+    return _conv_fwd_call(x, weight, bias, initial_states, cu_seqlens, silu, layout)
 
 
-def _conv_vjp_fwd(x, weight, bias, initial_states, silu, layout):
-    return _conv_fwd_call(x, weight, bias, initial_states, silu, layout), (x, weight, bias, initial_states)
+def _conv_vjp_fwd(x, weight, bias, initial_states, cu_seqlens, silu, layout):
+    out = _conv_fwd_call(x, weight, bias, initial_states, cu_seqlens, silu, layout)
+    return out, (x, weight, bias, initial_states, cu_seqlens)
 
 
 def _conv_vjp_bwd(silu, layout, res, dout):
-    x, weight, bias, initial_states = res
+    x, weight, bias, initial_states, cu_seqlens = res
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(weight.shape, weight.dtype)]
     if bias is not None:
         results.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
     if initial_states is not None:
         results.append(jax.ShapeDtypeStruct(initial_states.shape, initial_states.dtype))
-    optional = [v for v in (bias, initial_states) if v is not None]
+    optional = [v for v in (bias, initial_states, cu_seqlens) if v is not None]
     grads = list(
         _ffi(
             "xla_ssm_causal_conv1d_bwd",
@@ -233,19 +240,70 @@ def _conv_vjp_bwd(silu, layout, res, dout):
             layout=layout,
             has_bias=np.bool_(bias is not None),
             has_initial_states=np.bool_(initial_states is not None),
+            **_packed_attr(cu_seqlens),
         )
     )
     dx, dw = grads[0], grads[1]
     rest = grads[2:]
     db = rest.pop(0) if bias is not None else None
     dh0 = rest.pop(0) if initial_states is not None else None
-    return dx, dw, db, dh0
+    dcu = None if cu_seqlens is None else np.zeros(cu_seqlens.shape, jax.dtypes.float0)
+    return dx, dw, db, dh0, dcu
 
 
 _conv.defvjp(_conv_vjp_fwd, _conv_vjp_bwd)
 
 
-def causal_conv1d(x, weight, bias=None, initial_states=None, activation=None, layout="bdl", return_final_states=False):
+def _check_conv_cu_seqlens(cu_seqlens, batch, seqlen):
+    """cu_seqlens as an int32 array, checked against x (batch 1); its values too when they are
+    concrete (not traced)."""
+    if not hasattr(cu_seqlens, "shape"):
+        cu_seqlens = np.asarray(cu_seqlens)
+    if batch != 1:
+        raise ValueError(f"cu_seqlens packs sequences along seqlen of one batch row: x's batch must be 1, got {batch}")
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 1 or not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+        raise ValueError(
+            "cu_seqlens must be a rank-1 integer array (num_seqs + 1,), "
+            f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
+    if not isinstance(cu_seqlens, jax.core.Tracer):
+        v = np.asarray(cu_seqlens)
+        if v[0] != 0 or v[-1] != seqlen or np.any(np.diff(v) < 0):
+            raise ValueError(
+                f"cu_seqlens must start at 0, never decrease and end at seqlen (= {seqlen}), got {v.tolist()}"
+            )
+    return jnp.asarray(cu_seqlens, jnp.int32)
+
+
+def _packed_final_states(xs, h0, cu, width):
+    """Per sequence, the last width - 1 inputs of [h0[s] (or 0), xs[0, :, cu[s]:cu[s + 1]]]: (num_seqs,
+    dim, width - 1). xs (1, dim, seqlen); h0 (num_seqs, dim, width - 1) or None; cu traced or not."""
+    seqlen = xs.shape[-1]
+    start, end = cu[:-1, None], cu[1:, None]
+    pos = end - (width - 1) + jnp.arange(width - 1, dtype=cu.dtype)  # (num_seqs, width - 1)
+    from_x = (pos >= start)[:, None, :]
+    if seqlen:
+        xv = jnp.moveaxis(xs[0][:, jnp.clip(pos, 0, seqlen - 1)], 0, 1)  # (num_seqs, dim, width - 1)
+    else:
+        xv = jnp.zeros((cu.shape[0] - 1, xs.shape[1], width - 1), xs.dtype)
+    if h0 is None:
+        hv = jnp.zeros_like(xv)
+    else:
+        j = jnp.clip(pos - start + (width - 1), 0, width - 2)
+        hv = jnp.take_along_axis(h0, jnp.broadcast_to(j[:, None, :], h0.shape), axis=2)
+    return jnp.where(from_x, xv, hv)
+
+
+def causal_conv1d(
+    x,
+    weight,
+    bias=None,
+    initial_states=None,
+    activation=None,
+    layout="bdl",
+    return_final_states=False,
+    cu_seqlens=None,
+):
     """Depthwise causal conv1d (targets `xla_ssm_causal_conv1d_fwd` / `_bwd`, differentiable).
 
     x (batch, dim, seqlen) ("bdl") or (batch, seqlen, dim) ("bld"); weight (dim, width), width 2..4,
@@ -253,21 +311,42 @@ def causal_conv1d(x, weight, bias=None, initial_states=None, activation=None, la
     x's dtype (the inputs before x, oldest first); activation None or "silu". Returns out like x, and
     with `return_final_states` also the conv state after x, (batch, dim, width - 1), for
     `causal_conv1d_update`.
+
+    cu_seqlens: int32 (num_seqs + 1,), sequences packed along seqlen of a batch-1 x: boundaries
+    0 = cu[0] <= cu[1] <= ... <= cu[-1] = seqlen. The window restarts at each boundary: a sequence's
+    outputs see only its inputs, with initial_states[s] ((num_seqs, dim, width - 1)) or zeros before
+    its start; gradients do not cross boundaries. The final states are then per sequence,
+    (num_seqs, dim, width - 1): each sequence's last width - 1 inputs, its initial state (or zeros)
+    in front where it is shorter. Concrete boundaries are checked here; traced ones by the CPU
+    target, while on CUDA invalid ones give undefined (but memory-safe) results. Under jax.vmap the
+    calls run one example at a time.
     """
     x, weight, bias, initial_states = (_arr(n, v) for n, v in zip("x w b h0".split(), (x, weight, bias, initial_states)))
     T, batch, dim, seqlen, width = _check_conv(x, weight, bias, layout)
+    rows = batch
+    if cu_seqlens is not None:
+        cu_seqlens = _check_conv_cu_seqlens(cu_seqlens, batch, seqlen)
+        rows = cu_seqlens.shape[0] - 1
     if initial_states is not None:
-        _need("initial_states", initial_states, (batch, dim, width - 1), (T,))
-    out = _conv(x, weight, bias, initial_states, _activation(activation), layout)
+        what = "initial_states" + (" (num_seqs rows with cu_seqlens)" if cu_seqlens is not None else "")
+        _need(what, initial_states, (rows, dim, width - 1), (T,))
+    out = _conv(x, weight, bias, initial_states, cu_seqlens, _activation(activation), layout)
     if not return_final_states:
         return out
     xs = x if layout == "bdl" else jnp.swapaxes(x, 1, 2)
+    if cu_seqlens is not None:
+        return out, _packed_final_states(xs, initial_states, cu_seqlens, width)
     h0 = jnp.zeros((batch, dim, width - 1), T) if initial_states is None else initial_states
     return out, jnp.concatenate([h0, xs], axis=-1)[..., seqlen:]
 
 
-def causal_conv1d_ref(x, weight, bias=None, initial_states=None, activation=None, layout="bdl"):
-    """Pure-jnp reference of `causal_conv1d` (f32 arithmetic, out in x's dtype)."""
+def causal_conv1d_ref(
+    x, weight, bias=None, initial_states=None, activation=None, layout="bdl", return_final_states=False, cu_seqlens=None
+):
+    """Pure-jnp reference of `causal_conv1d` (f32 arithmetic, out in x's dtype). With `cu_seqlens`
+    (concrete values) it runs each packed sequence on its own and puts the results together."""
+    if cu_seqlens is not None:
+        return _packed_conv_ref(x, weight, bias, initial_states, activation, layout, return_final_states, cu_seqlens)
     xs = x if layout == "bdl" else jnp.swapaxes(x, 1, 2)
     batch, dim, seqlen = xs.shape
     width = weight.shape[1]
@@ -280,7 +359,29 @@ def causal_conv1d_ref(x, weight, bias=None, initial_states=None, activation=None
     if activation is not None:
         out = jax.nn.silu(out)
     out = out.astype(x.dtype)
-    return out if layout == "bdl" else jnp.swapaxes(out, 1, 2)
+    out = out if layout == "bdl" else jnp.swapaxes(out, 1, 2)
+    if return_final_states:
+        return out, xp[..., seqlen:].astype(x.dtype)
+    return out
+
+
+def _packed_conv_ref(x, weight, bias, initial_states, activation, layout, return_final_states, cu_seqlens):
+    cu = [int(c) for c in np.asarray(cu_seqlens)]
+    axis = 2 if layout == "bdl" else 1
+    outs, finals = [], []
+    for s in range(len(cu) - 1):
+        part = jax.lax.slice_in_dim(x, cu[s], cu[s + 1], axis=axis)
+        h0 = None if initial_states is None else initial_states[s : s + 1]
+        out, last = causal_conv1d_ref(part, weight, bias, h0, activation, layout, return_final_states=True)
+        outs.append(out)
+        finals.append(last)
+    out = jnp.concatenate(outs, axis=axis) if outs else x
+    if not return_final_states:
+        return out
+    width = weight.shape[1]
+    dim = x.shape[1] if layout == "bdl" else x.shape[2]
+    last = jnp.concatenate(finals) if finals else jnp.zeros((0, dim, width - 1), x.dtype)
+    return out, last
 
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, state_batch_indices=None, layout="bdl"):

@@ -5,7 +5,8 @@ Layers, outermost first:
   _scan (custom_vjp)   forward with checkpoints, backward through `xla_ssm_selective_scan_bwd`
   _vcall (custom_vmap) jax.vmap: folds the mapped axis into batch (forward, parameters unmapped)
                        or into dim (otherwise): never a sequential loop
-  _pcall (custom_partitioning)  sharded batch / dim stay sharded; gradients of shared operands psum
+  _pcall (custom_partitioning)  sharded batch / dim stay sharded; gradients of shared operands psum;
+                       sharded seqlen stays sharded (_scan_seq: summaries cross devices, not data)
   _raw                 jax.ffi.ffi_call, with the CUDA workspace (not allocated on the CPU)
 The vmap and partitioning layers sit under the custom_vjp, so neither is ever differentiated.
 """
@@ -25,7 +26,8 @@ from jax.sharding import PartitionSpec as P
 from . import _lib
 from ._fold import fold_vmap
 from ._selective_scan import _as_arrays, _check
-from ._shard import partitioned, shard_axes
+from . import _scan_seq
+from ._shard import partitioned, seq_axes, shard_axes
 
 FWD = "xla_ssm_selective_scan_fwd"
 BWD = "xla_ssm_selective_scan_bwd"
@@ -163,18 +165,21 @@ def _raw(call: _Call, *ops):
 
 # ------------------------------------------------------------------------------- sharding
 def _shard_plan(call: _Call, mesh, arg_shapes):
-    """(batch, dim, groups) mesh axes from u's sharding; seqlen and dstate are never sharded."""
+    """(batch, dim, groups, seqlen) mesh axes from u's sharding; dstate is never sharded, nor seqlen
+    of packed sequences."""
     u, A, B = arg_shapes[0], arg_shapes[2], arg_shapes[3]
-    groups = _sizes(call.cfg, u, A, B)[4]
-    return shard_axes(mesh, u, _dim_axis("x", call.cfg.layout), groups)
+    _, _, seqlen, _, groups = _sizes(call.cfg, u, A, B)
+    l_axis = 2 if call.cfg.layout == "bdl" else 1
+    lax = () if call.cfg.packed else seq_axes(mesh, u, l_axis, seqlen, call.checkpoint_len)
+    return (*shard_axes(mesh, u, _dim_axis("x", call.cfg.layout), groups), lax)
 
 
 def _spec(call: _Call, role, plan):
-    b, d, g = (a or None for a in plan)
+    b, d, g, l = (a or None for a in plan)
     if role == "x":
-        return P(b, d, None) if call.cfg.layout == "bdl" else P(b, None, d)
+        return P(b, d, l) if call.cfg.layout == "bdl" else P(b, l, d)
     if role == "bc4":
-        return P(b, g, None, None) if call.cfg.layout == "bdl" else P(b, None, g, None)
+        return P(b, g, None, l) if call.cfg.layout == "bdl" else P(b, l, g, None)
     if role in ("A", "bc2"):
         return P(d, None)
     if role == "vec":
@@ -183,16 +188,17 @@ def _spec(call: _Call, role, plan):
         return P(None if call.cfg.packed else b, d, None)
     if role == "cu":
         return P(None)
-    return P(b, d, None, None)  # ckpt
+    return P(b, d, l, None)  # ckpt: its axis runs along seqlen
 
 
 def _psum_axes(call: _Call, role, plan):
     """A gradient is a partial sum on each shard that shares its operand: per-dim parameters (A, D,
-    delta_bias, time-invariant B/C) across batch shards, time-varying B/C (per batch element, summed
-    over its group's channels) across dim shards when its groups are not split."""
-    bax, dax, gax = plan
+    delta_bias, time-invariant B/C) across batch and seqlen shards, time-varying B/C (per batch
+    element, summed over its group's channels) across dim shards when its groups are not split.
+    (With seqlen sharded, the initial state's gradient is formed whole on every shard.)"""
+    bax, dax, gax, lax = plan
     if role in ("A", "bc2", "vec"):
-        return bax
+        return bax + lax
     return dax if role == "bc4" and not gax else ()
 
 
@@ -202,17 +208,34 @@ _LETTERS = {
 }  # fmt: skip
 
 
-def _factors(call: _Call, role, ndim):
+def _factors(call: _Call, role, shape):
     if role == "cu":
         return "c"
     if role == "state" and call.cfg.packed:  # rows are sequences, not batch entries
         return "s d n"
-    return _LETTERS.get((role, call.cfg.layout)) or _LETTERS[role]
+    letters = _LETTERS.get((role, call.cfg.layout)) or _LETTERS[role]
+    if role in ("x", "bc4") and call.checkpoint_len:
+        # seqlen is checkpoints x steps between them, when it divides: a seqlen sharding then
+        # propagates to the checkpoints, which stay sharded from the forward to the backward.
+        seqlen = shape[letters.split().index("l")]
+        if seqlen % call.checkpoint_len == 0:
+            letters = letters.replace("l", "(k r)")
+    return letters
 
 
-# Batch and dim pass through; seqlen, dstate, the checkpoint axis, and packed sequences' rows and
-# boundaries must not be sharded.
-_pcall = partitioned(_raw, _in_roles, _out_roles, _shard_plan, _spec, _psum_axes, _factors, "lnkcs")
+def _factor_sizes(call: _Call):
+    return {"r": call.checkpoint_len}
+
+
+def _seq_lower(call: _Call, plan, mesh):
+    return _scan_seq.lower(call, plan[3], mesh, _raw) if plan[3] else None
+
+
+# Batch, dim and seqlen (with the checkpoint axis) pass through; dstate, and packed sequences' rows
+# and boundaries must not be sharded.
+_pcall = partitioned(
+    _raw, _in_roles, _out_roles, _shard_plan, _spec, _psum_axes, _factors, "ncsr", _seq_lower, _factor_sizes
+)
 
 
 # ----------------------------------------------------------------------------------- vmap

@@ -6,6 +6,7 @@ partial sums. Each op supplies the plan, the specs, the psums and its Shardy fac
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -36,13 +37,30 @@ def shard_axes(mesh, x, channel_axis, groups):
     return bax, cax, cax if groups > 1 else ()
 
 
-def partitioned(raw, in_roles, out_roles, plan, spec, psum_axes, factors, replicated):
+def seq_axes(mesh, x, seq_axis, seqlen, checkpoint_len):
+    """The mesh axes that shard x's `seq_axis` (seqlen), where the scan can run on the shards: they
+    divide seqlen evenly, into whole checkpoint intervals when the call has checkpoints. Else ()
+    (the sequence is then gathered)."""
+    spec = tuple(x.sharding.spec) if isinstance(x.sharding, NamedSharding) else ()
+    spec += (None,) * (len(x.shape) - len(spec))
+    names = axes(spec[seq_axis])
+    shards = math.prod(mesh.shape[a] for a in names)
+    if shards <= 1 or seqlen % shards or (checkpoint_len and (seqlen // shards) % checkpoint_len):
+        return ()
+    return names
+
+
+def partitioned(raw, in_roles, out_roles, plan, spec, psum_axes, factors, replicated, sharded_lower=None, sizes=None):
     """custom_partitioning of `raw(call, *ops)`, `call` static (a hashable with .kind "fwd"/"bwd"):
     plan(call, mesh, arg_shapes)  which mesh axes shard what (any value the next two understand);
     spec(call, role, plan)        the PartitionSpec of an operand / result of that role;
     psum_axes(call, role, plan)   the mesh axes a backward result of that role is a partial sum over;
-    factors(call, role, ndim)     Shardy's factor letters for that role ("b l h p");
-    replicated                    the letters never sharded (the axes a scan runs or sums along).
+    factors(call, role, shape)    Shardy's factor letters for that role ("b l h p"; "(k r)": a dim
+                                  that is factor k times factor r);
+    replicated                    the letters never sharded (the axes a scan runs or sums along);
+    sharded_lower(call, plan, mesh)  None, or the per-shard function of a call whose plan shards an
+                                  axis the scan runs along (it communicates itself; the psums follow);
+    sizes(call)                   sizes of factors used only inside compound dims ({"r": 32}).
     """
 
     def shardings(call, mesh, arg_shapes):
@@ -57,8 +75,10 @@ def partitioned(raw, in_roles, out_roles, plan, spec, psum_axes, factors, replic
     def partition(call, mesh, arg_shapes, result_shape):
         p, ins, outs = shardings(call, mesh, arg_shapes)
 
+        per_shard = sharded_lower(call, p, mesh) if sharded_lower else None
+
         def lower(*ops):
-            res = raw(call, *ops)
+            res = per_shard(*ops) if per_shard else raw(call, *ops)
             if call.kind == "fwd":  # every result is per shard: no communication
                 return res
             out = []
@@ -73,15 +93,16 @@ def partitioned(raw, in_roles, out_roles, plan, spec, psum_axes, factors, replic
         """Shardy's einsum-like rule: the sharded factors pass through, `replicated` ones may not be sharded."""
 
         def side(roles, types):
-            return ", ".join(factors(call, r, len(t.shape)) for r, t in zip(roles, types))
+            return ", ".join(factors(call, r, tuple(t.shape)) for r, t in zip(roles, types))
 
         lhs, rhs = side(in_roles(call), operand_types), side(out_roles(call), result_types)
-        letters = f"{lhs} {rhs}".replace(",", " ").split()
+        letters = re.findall(r"\w+", f"{lhs} {rhs}")
         # Shardy numbers the factors in order of first appearance and wants these in that order
         # (which depends on the optional operands present, e.g. packed states before or after cu).
         first = {f: letters.index(f) for f in set(letters)}
         need = tuple(sorted((f for f in replicated if f in first), key=first.__getitem__))
-        return f"{lhs} -> {rhs}", {"need_replication_factors": need}
+        extra = {f: n for f, n in (sizes(call) if sizes else {}).items() if f in first}
+        return f"{lhs} -> {rhs}", {"need_replication_factors": need, **extra}
 
     f = custom_partitioning(raw, static_argnums=(0,))
     f.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule)

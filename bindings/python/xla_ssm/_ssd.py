@@ -6,7 +6,8 @@ Layers, outermost first:
   _ssd (custom_vjp)    forward saving chunk_states, backward through `xla_ssm_ssd_bwd`
   _vcall (custom_vmap) jax.vmap: folds the mapped axis into batch (a forward whose per-head
                        parameters are shared) or into heads (otherwise): never a sequential loop
-  _pcall (custom_partitioning)  sharded batch / heads stay sharded; gradients of shared operands psum
+  _pcall (custom_partitioning)  sharded batch / heads stay sharded; gradients of shared operands psum;
+                       sharded seqlen stays sharded (_ssd_seq: summaries cross devices, not data)
   _raw                 jax.ffi.ffi_call, with the CUDA workspace (not allocated on the CPU)
 The vmap and partitioning layers sit under the custom_vjp, so neither is ever differentiated.
 """
@@ -23,11 +24,11 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.sharding import PartitionSpec as P
 
-from . import _lib
+from . import _lib, _ssd_seq
 from ._fold import fold_vmap
 from ._scan import _ffi
 from ._selective_scan import _as_arrays, _name, _softplus
-from ._shard import partitioned, shard_axes
+from ._shard import partitioned, seq_axes, shard_axes
 
 FWD = "xla_ssm_ssd_fwd"
 BWD = "xla_ssm_ssd_bwd"
@@ -151,28 +152,37 @@ def _raw(call: _Call, *ops):
 
 
 # ------------------------------------------------------------------------------- sharding
+def _chunked(call: _Call):
+    """Whether the call reads or writes chunk_states (then seqlen shards must be whole chunks)."""
+    return call.kind == "bwd" or call.save_chunk_states
+
+
 def _shard_plan(call: _Call, mesh, arg_shapes):
-    """(batch, heads, groups) mesh axes from x's sharding; seqlen, headdim, dstate and the chunks
-    are never sharded."""
-    return shard_axes(mesh, arg_shapes[0], _HEAD_AXIS["x"], arg_shapes[3].shape[2])
+    """(batch, heads, groups, seqlen) mesh axes from x's sharding; headdim and dstate are never
+    sharded, nor seqlen of packed sequences."""
+    x = arg_shapes[0]
+    chunk = call.cfg.chunk_size if _chunked(call) else 0
+    lax = () if call.cfg.packed else seq_axes(mesh, x, 1, x.shape[1], chunk)
+    return (*shard_axes(mesh, x, _HEAD_AXIS["x"], arg_shapes[3].shape[2]), lax)
 
 
 def _spec(call: _Call, role, plan):
-    b, h, g = (a or None for a in plan)
+    b, h, g, l = (a or None for a in plan)
     sb = None if call.cfg.packed else b  # packed: the state rows are sequences, never split
     return {
-        "x": P(b, None, h, None), "dt": P(b, None, h), "bc": P(b, None, g, None), "param": P(h),
-        "state": P(sb, h, None, None), "chunk": P(b, h, None, None, None), "cu": P(None),
+        "x": P(b, l, h, None), "dt": P(b, l, h), "bc": P(b, l, g, None), "param": P(h),
+        "state": P(sb, h, None, None), "chunk": P(b, h, None, l, None), "cu": P(None),
     }[role]  # fmt: skip
 
 
 def _psum_axes(call: _Call, role, plan):
     """A gradient is a partial sum on each shard that shares its operand: per-head parameters (A,
-    D, dt_bias) across batch shards, B/C (summed over its group's heads) across head shards when
-    its groups are not split."""
-    bax, hax, gax = plan
+    D, dt_bias) across batch and seqlen shards, B/C (summed over its group's heads) across head
+    shards when its groups are not split. (With seqlen sharded, the initial states' gradient is
+    formed whole on every shard.)"""
+    bax, hax, gax, lax = plan
     if role == "param":
-        return bax
+        return bax + lax
     return hax if role == "bc" and not gax else ()
 
 
@@ -180,17 +190,32 @@ def _psum_axes(call: _Call, role, plan):
 _LETTERS = {"x": "b l h p", "dt": "b l h", "bc": "b l g n", "param": "h p", "state": "b h p n", "chunk": "b h p k n"}
 
 
-def _factors(call: _Call, role, ndim):
+def _factors(call: _Call, role, shape):
     if role == "cu":
         return "c"
     if role == "state" and call.cfg.packed:  # rows are sequences, not batch entries
         return "s h p n"
-    return " ".join(_LETTERS[role].split()[:ndim])
+    letters = " ".join(_LETTERS[role].split()[: len(shape)])
+    if role in ("x", "dt", "bc") and _chunked(call) and shape[1] % call.cfg.chunk_size == 0:
+        # seqlen is chunks x steps: a seqlen sharding propagates to chunk_states, which then stay
+        # sharded from the forward to the backward.
+        letters = letters.replace("l", "(k r)")
+    return letters
 
 
-# Batch and heads (groups) pass through; seqlen, headdim, dstate, the chunk axis, and packed
+def _factor_sizes(call: _Call):
+    return {"r": call.cfg.chunk_size}
+
+
+def _seq_lower(call: _Call, plan, mesh):
+    return _ssd_seq.lower(call, plan[3], mesh, _raw) if plan[3] else None
+
+
+# Batch, heads (groups) and seqlen (with the chunk axis) pass through; headdim, dstate, and packed
 # sequences' rows and boundaries must not be sharded.
-_pcall = partitioned(_raw, _in_roles, _out_roles, _shard_plan, _spec, _psum_axes, _factors, "lpnkcs")
+_pcall = partitioned(
+    _raw, _in_roles, _out_roles, _shard_plan, _spec, _psum_axes, _factors, "pncsr", _seq_lower, _factor_sizes
+)
 
 
 # ----------------------------------------------------------------------------------- vmap

@@ -7,12 +7,17 @@
 //! ```
 //! The update op runs the same recurrence token by token from `conv_state` (the last W - 1 inputs,
 //! oldest first) and leaves the newest W - 1 inputs there, in place.
+//!
+//! Packed sequences (fwd, bwd): with `cu_seqlens` (num_seqs + 1 boundaries along seqlen of a batch-1
+//! x), the window restarts at each sequence's start: xpad above is per sequence, its steps before 0
+//! from `initial_states[s]` (num_seqs, dim, W - 1) or 0.
 
 use super::alias::{self, Alias, StateCopy};
 use super::buffers::check_buffers;
+use super::selective_scan::check_cu_seqlens_values;
 use super::selective_scan::Layout;
 use super::state_update::{check_indices_host, opt_ptr, slots};
-use super::{expect, expect_dtype, expect_nonnull, fmt_dims, Platform, Tensor};
+use super::{check_elements, expect, expect_dtype, expect_nonnull, fmt_dims, Platform, Tensor};
 use crate::error::{Error, Result};
 use crate::DType;
 use std::ffi::c_void;
@@ -69,6 +74,22 @@ pub struct ConvParams {
     pub x_stride_seq: i64,
     pub silu: i32,
     pub _reserved: i32,
+    /// fwd / bwd: (num_seqs + 1) boundaries of packed sequences along seqlen (batch 1), or null.
+    /// initial_states and dinitial_states then have num_seqs rows.
+    pub cu_seqlens: *const i32,
+    pub num_seqs: i64,
+}
+
+impl ConvParams {
+    /// The packed sequences' boundaries, when there are some.
+    ///
+    /// # Safety
+    /// The parameters are validated and `cu_seqlens` is host memory (the CPU platform).
+    pub unsafe fn host_cu_seqlens(&self) -> Option<&[i32]> {
+        // SAFETY: per the contract, num_seqs + 1 readable i32s.
+        (!self.cu_seqlens.is_null())
+            .then(|| unsafe { std::slice::from_raw_parts(self.cu_seqlens, self.num_seqs as usize + 1) })
+    }
 }
 
 validated! {
@@ -103,6 +124,8 @@ pub struct ConvArgs<'a> {
     pub weight: &'a Tensor,
     pub bias: Option<&'a Tensor>,
     pub initial_states: Option<&'a Tensor>,
+    /// fwd / bwd: packed sequences, int32 (num_seqs + 1).
+    pub cu_seqlens: Option<&'a Tensor>,
     /// bwd.
     pub dout: Option<&'a Tensor>,
     /// update: the operand and the (aliased) result.
@@ -124,6 +147,33 @@ pub fn parse_layout(op: &str, s: &str) -> Result<Layout> {
         "bld" => Ok(Layout::ChannelLast),
         other => Err(Error::invalid(format!("{op}: attribute `layout`: expected \"bdl\" or \"bld\", got {other:?}"))),
     }
+}
+
+/// `cu_seqlens` of a packed call: int32 (num_seqs + 1,), x's batch 1, and no steps without a
+/// sequence. Returns num_seqs. The values are checked where the host can read them.
+fn check_cu_seqlens(op: &str, cu: &Tensor, x: &Tensor, batch: i64, seqlen: i64) -> Result<i64> {
+    let what = format!("{op}: operand `cu_seqlens`");
+    check_elements(&what, &cu.dims)?;
+    expect_dtype(cu, &what, &[DType::S32])?;
+    if cu.dims.len() != 1 || cu.dims[0] < 1 {
+        return Err(Error::invalid(format!(
+            "{what}: expected shape (num_seqs + 1,) [boundaries], got {}",
+            fmt_dims(&cu.dims)
+        )));
+    }
+    if batch != 1 {
+        return Err(Error::invalid(format!(
+            "{what}: packed sequences lie along seqlen of one batch row: x must have batch 1, got shape {}",
+            fmt_dims(&x.dims)
+        )));
+    }
+    let num_seqs = cu.dims[0] - 1;
+    if num_seqs == 0 && seqlen != 0 {
+        return Err(Error::invalid(format!(
+            "{what}: shape (1,) holds no sequence, so x's seqlen must be 0, got {seqlen}"
+        )));
+    }
+    Ok(num_seqs)
 }
 
 /// Checks `weight` (dim, width) and `bias` (dim); returns width.
@@ -174,9 +224,19 @@ pub fn validate(a: &ConvArgs) -> Result<Conv> {
         (_, Layout::ChannelLast) => (x.dims[0], x.dims[2], x.dims[1]),
     };
     let width = check_weight(op, dim, dtype, a.weight, a.bias)?;
-    let state_dims = [batch, dim, width - 1];
+    let (num_seqs, state_rows, state_meaning) = match a.cu_seqlens {
+        None => (0, batch, "[batch, dim, width - 1]"),
+        Some(_) if a.kind == Kind::Update => {
+            return Err(Error::invalid(format!("{op}: operand `cu_seqlens`: only the forward and backward take one")))
+        }
+        Some(cu) => {
+            let n = check_cu_seqlens(op, cu, x, batch, seqlen)?;
+            (n, n, "[num_seqs, dim, width - 1] (packed sequences)")
+        }
+    };
+    let state_dims = [state_rows, dim, width - 1];
     if let Some(h0) = a.initial_states {
-        expect(h0, &format!("{op}: operand `initial_states`"), &state_dims, "[batch, dim, width - 1]", &[dtype])?;
+        expect(h0, &format!("{op}: operand `initial_states`"), &state_dims, state_meaning, &[dtype])?;
     }
     if let Some(dout) = a.dout {
         expect(dout, &format!("{op}: operand `dout`"), &x.dims, x_meaning, &[dtype])?;
@@ -190,7 +250,7 @@ pub fn validate(a: &ConvArgs) -> Result<Conv> {
         expect(db, &format!("{op}: result `dbias`"), &bias.dims, "[dim]", &[bias.dtype])?;
     }
     if let Some(dh0) = a.dinitial_states {
-        expect(dh0, &format!("{op}: result `dinitial_states`"), &state_dims, "[batch, dim, width - 1]", &[dtype])?;
+        expect(dh0, &format!("{op}: result `dinitial_states`"), &state_dims, state_meaning, &[dtype])?;
     }
     let (mut n_slots, mut alias, mut state_in, mut conv_state) =
         (0, Alias::InPlace, std::ptr::null(), std::ptr::null_mut());
@@ -216,6 +276,7 @@ pub fn validate(a: &ConvArgs) -> Result<Conv> {
         (Some(a.weight), "weight"),
         (a.bias, "bias"),
         (a.initial_states, "initial_states"),
+        (a.cu_seqlens, "cu_seqlens"),
         (a.dout, "dout"),
         (a.state_batch_indices, "state_batch_indices"),
         (Some(a.out), out_name),
@@ -234,6 +295,7 @@ pub fn validate(a: &ConvArgs) -> Result<Conv> {
         ("weight", Some(a.weight)),
         ("bias", a.bias),
         ("initial_states", a.initial_states),
+        ("cu_seqlens", a.cu_seqlens),
         ("dout", a.dout),
         ("conv_state", cs),
         ("state_batch_indices", a.state_batch_indices),
@@ -273,6 +335,8 @@ pub fn validate(a: &ConvArgs) -> Result<Conv> {
         x_stride_seq,
         silu: a.silu as i32,
         _reserved: 0,
+        cu_seqlens: opt_ptr(a.cu_seqlens) as *const i32,
+        num_seqs,
     };
     Ok(Conv { kind: a.kind, params, dtype, weight_dtype: a.weight.dtype, alias, state_in })
 }
@@ -287,6 +351,10 @@ pub fn run(conv: &Conv, platform: Platform) -> Result<()> {
                     // SAFETY: validated, distinct host buffers of that size.
                     unsafe { copy.on_host() };
                 }
+            }
+            // SAFETY: validated, and on the CPU platform every buffer is host memory.
+            if let Some(cu) = unsafe { p.host_cu_seqlens() } {
+                check_cu_seqlens_values(conv.kind.name(), cu, p.seqlen)?;
             }
             crate::cpu::conv1d::run(conv);
             Ok(())

@@ -101,6 +101,7 @@ pub fn validate(a: &DecodeArgs) -> Result<Decode> {
         weight: a.conv_weight,
         bias: a.conv_bias,
         initial_states: None,
+        cu_seqlens: None,
         dout: None,
         conv_state: Some((a.conv_state, a.conv_state_out)),
         state_batch_indices: a.state_batch_indices,

@@ -673,7 +673,9 @@ defmodule XlaSsm.Spec do
 
   Operands: `:x` (`(batch, dim, seqlen)`, or `(batch, seqlen, dim)` with layout "bld"; T),
   `:weight` `(dim, width)` (width 2..4; f32 or T), optional `:bias` `(dim)` (weight's type),
-  `:initial_states` `(batch, dim, width - 1)` T. Options: `:silu` (false), `:layout` ("bdl").
+  `:initial_states` `(batch, dim, width - 1)` T, `:cu_seqlens` `(num_seqs + 1)` s32 (packed
+  sequences along seqlen of a batch-1 x; initial_states is then `(num_seqs, dim, width - 1)`).
+  Options: `:silu` (false), `:layout` ("bdl").
 
   Result: `out` (like x).
   """
@@ -681,30 +683,32 @@ defmodule XlaSsm.Spec do
   def causal_conv1d_fwd(operands, opts \\ []) do
     op = "causal_conv1d_fwd"
     opts = validate_opts!(op, opts, silu: false, layout: "bdl")
-    ops = operands!(op, operands, [:x, :weight], [:bias, :initial_states])
+    ops = operands!(op, operands, [:x, :weight], [:bias, :initial_states, :cu_seqlens])
     s = check_conv_inputs!(op, ops, opts, [3])
-    {h0, has_h0} = conv_initial_states(op, ops, s)
-    operands = [s.x, s.weight] ++ s.bias ++ h0
-    attrs = conv_attrs(opts, s.has_bias) ++ [{"has_initial_states", Attr.bool(has_h0)}]
+    {cu, rows} = conv_cu_seqlens(op, ops, s)
+    {h0, has_h0} = conv_initial_states(op, ops, s, rows)
+    operands = [s.x, s.weight] ++ s.bias ++ h0 ++ cu
+    attrs = conv_attrs(opts, s.has_bias) ++ [{"has_initial_states", Attr.bool(has_h0)}] ++ packed_attrs(%{cu_seqlens: cu})
     build("xla_ssm_causal_conv1d_fwd", operands, [{"out", s.x_shape, s.t}], attrs, 0, false)
   end
 
   @doc """
   `xla_ssm_causal_conv1d_bwd`: operands `:x`, `:weight`, `:dout` (like x), optional `:bias`,
-  `:initial_states`; options as the forward's. Results: `dx`, `dweight`, [`dbias`],
+  `:initial_states`, `:cu_seqlens`; options as the forward's. Results: `dx`, `dweight`, [`dbias`],
   [`dinitial_states`].
   """
   @spec causal_conv1d_bwd(map | keyword, keyword) :: Call.t()
   def causal_conv1d_bwd(operands, opts \\ []) do
     op = "causal_conv1d_bwd"
     opts = validate_opts!(op, opts, silu: false, layout: "bdl")
-    ops = operands!(op, operands, [:x, :weight, :dout], [:bias, :initial_states])
+    ops = operands!(op, operands, [:x, :weight, :dout], [:bias, :initial_states, :cu_seqlens])
     s = check_conv_inputs!(op, ops, opts, [3])
     dout = expect!(op, ops, :dout, "dout", s.x_shape, [s.t], "(like x)")
-    {h0, has_h0} = conv_initial_states(op, ops, s)
-    operands = [s.x, s.weight, dout] ++ s.bias ++ h0
+    {cu, rows} = conv_cu_seqlens(op, ops, s)
+    {h0, has_h0} = conv_initial_states(op, ops, s, rows)
+    operands = [s.x, s.weight, dout] ++ s.bias ++ h0 ++ cu
     results = Enum.map([s.x, s.weight] ++ s.bias ++ h0, fn {name, shape, type} -> {"d" <> name, shape, type} end)
-    attrs = conv_attrs(opts, s.has_bias) ++ [{"has_initial_states", Attr.bool(has_h0)}]
+    attrs = conv_attrs(opts, s.has_bias) ++ [{"has_initial_states", Attr.bool(has_h0)}] ++ packed_attrs(%{cu_seqlens: cu})
     build("xla_ssm_causal_conv1d_bwd", operands, results, attrs, 0, false)
   end
 
@@ -791,18 +795,34 @@ defmodule XlaSsm.Spec do
     }
   end
 
-  defp conv_initial_states(op, ops, s) do
+  # `rows`: batch, or num_seqs with packed sequences.
+  defp conv_initial_states(op, ops, s, rows) do
+    meaning = if rows == s.batch, do: "(batch, dim, width - 1)", else: "(num_seqs, dim, width - 1)"
+
     optional(ops, :initial_states, fn ->
-      expect!(
-        op,
-        ops,
-        :initial_states,
-        "initial_states",
-        {s.batch, s.dim, s.width - 1},
-        [s.t],
-        "(batch, dim, width - 1)"
-      )
+      expect!(op, ops, :initial_states, "initial_states", {rows, s.dim, s.width - 1}, [s.t], meaning)
     end)
+  end
+
+  # Packed sequences: {[cu_seqlens entry], num_seqs}, or {[], batch} without.
+  defp conv_cu_seqlens(op, ops, s) do
+    case Map.fetch(ops, :cu_seqlens) do
+      :error ->
+        {[], s.batch}
+
+      {:ok, {shape, _}} ->
+        unless tuple_size(shape) == 1 and elem(shape, 0) >= 1 do
+          raise ArgumentError, "#{op}: operand `cu_seqlens` must have shape (num_seqs + 1), got #{fmt(shape)}"
+        end
+
+        unless s.batch == 1 do
+          raise ArgumentError,
+                "#{op}: operand `cu_seqlens` packs sequences along seqlen of one batch row: x's batch must be 1, got #{s.batch}"
+        end
+
+        entry = expect!(op, ops, :cu_seqlens, "cu_seqlens", shape, [{:s, 32}], "(num_seqs + 1)")
+        {[entry], elem(shape, 0) - 1}
+    end
   end
 
   defp conv_state!(op, ops, key, name, s, has_ix) do

@@ -314,6 +314,21 @@ defmodule XlaSsm.Test.Fixture do
 
     conv_bwd_f16 = %{x: t({1, 9, 4}, :f16), weight: t({4, 2}, :f16), dout: t({1, 9, 4}, :f16)}
 
+    conv_packed_f32 = %{
+      x: t({1, 30, 8}, :f32),
+      weight: t({8, 4}, :f32),
+      bias: t({8}, :f32),
+      initial_states: t({4, 8, 3}, :f32),
+      cu_seqlens: t({5}, :s32)
+    }
+
+    conv_packed_bwd_bf16 = %{
+      x: t({1, 8, 25}, :bf16),
+      weight: t({8, 3}, :f32),
+      dout: t({1, 8, 25}, :bf16),
+      cu_seqlens: t({4}, :s32)
+    }
+
     conv_update_f32 = %{x: t({2, 8}, :f32), conv_state: t({2, 8, 3}, :f32), weight: t({8, 4}, :f32), bias: t({8}, :f32)}
 
     conv_update_bf16 = %{
@@ -357,6 +372,10 @@ defmodule XlaSsm.Test.Fixture do
       {"conv_fwd_bf16_bld_f32_weight_initial_states", Spec.causal_conv1d_fwd(conv_bf16_bld, layout: "bld")},
       {"conv_bwd_f32_bdl_all_optional", Spec.causal_conv1d_bwd(conv_bwd_f32, silu: true)},
       {"conv_bwd_f16_bld_minimal", Spec.causal_conv1d_bwd(conv_bwd_f16, layout: "bld")},
+      {"conv_fwd_f32_bld_packed_all_optional", Spec.causal_conv1d_fwd(conv_packed_f32, layout: "bld", silu: true)},
+      {"conv_bwd_f32_bld_packed_all_optional",
+       Spec.causal_conv1d_bwd(Map.put(conv_packed_f32, :dout, t({1, 30, 8}, :f32)), layout: "bld", silu: true)},
+      {"conv_bwd_bf16_bdl_packed_f32_weight", Spec.causal_conv1d_bwd(conv_packed_bwd_bf16)},
       {"conv_update_f32_one_token_bias", Spec.causal_conv1d_update(conv_update_f32, silu: true)},
       {"conv_update_bf16_bld_tokens_pool", Spec.causal_conv1d_update(conv_update_bf16, layout: "bld")},
       {"decode_step_f32_pool_all_optional", Spec.mamba_decode_step(step_f32, dt_softplus: true)},
