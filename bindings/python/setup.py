@@ -5,7 +5,7 @@ Build-time environment:
   NVCC=/path/to/nvcc        nvcc for build.rs (default: the pinned PyPI nvcc this build installed,
                             <site-packages>/nvidia/cu13/bin/nvcc)
   XLA_SSM_CPU_ONLY=1        cargo build --no-default-features: CPU targets only, no nvcc needed
-  XLA_SSM_CUDA_ARCHS=90     GPU architectures (build.rs; default 80,86,89,90)
+  XLA_SSM_CUDA_ARCHS=90     GPU architectures (build.rs; default 80,90)
   XLA_SSM_PREBUILT=/path/libxla_ssm.so   ship this library instead of building one
 """
 
