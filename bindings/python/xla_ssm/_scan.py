@@ -23,10 +23,9 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.sharding import PartitionSpec as P
 
-from . import _lib
+from . import _lib, _scan_seq
 from ._fold import fold_vmap
 from ._selective_scan import _as_arrays, _check
-from . import _scan_seq
 from ._shard import partitioned, seq_axes, shard_axes
 
 FWD = "xla_ssm_selective_scan_fwd"
