@@ -47,39 +47,28 @@ cargo build --release
 
 export XLA_SSM_LIBRARY="$PWD/target/release/libxla_ssm.so"
 export PYTHONPATH="$PWD/bindings/python${PYTHONPATH:+:$PYTHONPATH}"
-# The compatibility check runs beside pytest (each mostly keeps one core busy); its log follows.
-compat_log="$(mktemp)"
-bash scripts/compat.sh >"$compat_log" 2>&1 &
-compat_pid=$!
+# Beside pytest (each mostly keeps one core busy): the compatibility check, then the quick CPU
+# benchmarks and the pip install; their log follows pytest's. (A subshell: its EXIT trap is its own.)
+beside() (
+  set -e
+  bash scripts/compat.sh
+  section "bench (CPU, quick): our CPU target against jax.lax.scan, outputs checked" &&
+  python bench/bench_selective_scan.py --device cpu --quick --no-baselines --out "${TMPDIR:-/tmp}/xla_ssm_bench"
 
-section "pytest tests/python"
-python -m pytest tests/python -q -ra
+  section "bench (CPU, quick): decode step (bench/bench_decode.py), outputs checked" &&
+  python bench/bench_decode.py --device cpu --out "${TMPDIR:-/tmp}/xla_ssm_bench"
 
-section "JAX compatibility: the smoke subset under jax 0.5.0 (the first jax.ffi), 0.9.0 (EXLA's XLA) and the newest (scripts/compat.sh, run beside pytest)"
-compat_status=0
-wait "$compat_pid" || compat_status=$?
-cat "$compat_log"
-rm -f "$compat_log"
-if [ "$compat_status" -ne 0 ]; then
-  echo "compat.sh failed (exit $compat_status)" >&2
-  exit "$compat_status"
-fi
+  section "bench (CPU, quick): SSD (bench/bench_ssd.py), outputs and gradients checked" &&
+  python bench/bench_ssd.py --device cpu --quick --out "${TMPDIR:-/tmp}/xla_ssm_bench"
 
-section "C++ host through PJRT: XLA's CPU plugin (PyPI lammps-jax-pjrt-cpu, PJRT 0.115) runs both targets (tests/cpp)"
-pjrt_dir="$PWD/.compat/pjrt-cpu-0.11.2"
-if [ ! -f "$pjrt_dir/lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so" ]; then
-  python -m pip install --disable-pip-version-check --quiet --no-deps --target "$pjrt_dir" lammps-jax-pjrt-cpu==0.11.2
-fi
-XLA_SSM_PJRT_PLUGIN="$pjrt_dir/lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so" bash tests/cpp/run.sh "$XLA_SSM_LIBRARY"
-
-section "pip install ./bindings/python into a throwaway venv; import it from elsewhere (the shipped library loads)"
-# NVCC (scripts/env.sh) and XLA_SSM_CUDA_ARCHS are those of the build above, so cargo has nothing to
-# redo; pip's cache serves the pinned nvcc and jax.
-pip_tmp="$(mktemp -d)"
-trap 'rm -rf "$pip_tmp"' EXIT
-python -m venv "$pip_tmp/venv"
-"$pip_tmp/venv/bin/python" -m pip install --disable-pip-version-check --quiet ./bindings/python
-(cd "$pip_tmp" && env -u XLA_SSM_LIBRARY -u PYTHONPATH "$pip_tmp/venv/bin/python" - <<'PY'
+  section "pip install ./bindings/python into a throwaway venv; import it from elsewhere (the shipped library loads)"
+  # NVCC (scripts/env.sh) and XLA_SSM_CUDA_ARCHS are those of the build above, so cargo has nothing to
+  # redo; pip's cache serves the pinned nvcc and jax.
+  pip_tmp="$(mktemp -d)"
+  trap 'rm -rf "$pip_tmp"' EXIT
+  python -m venv "$pip_tmp/venv"
+  "$pip_tmp/venv/bin/python" -m pip install --disable-pip-version-check --quiet ./bindings/python
+  (cd "$pip_tmp" && env -u XLA_SSM_LIBRARY -u PYTHONPATH "$pip_tmp/venv/bin/python" - <<'PY'
 import sys, numpy as np, xla_ssm
 lib = xla_ssm.library_path()
 assert str(lib).startswith(sys.prefix), f"loaded {lib}, not the one in the venv"
@@ -93,15 +82,30 @@ np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
 np.testing.assert_allclose(h, ref_h, rtol=1e-4, atol=1e-4)
 print(f"pip-installed xla_ssm OK: {lib}, targets on {xla_ssm.registered_platforms()}")
 PY
+  )
 )
+beside_log="$(mktemp)"
+beside >"$beside_log" 2>&1 &
+beside_pid=$!
 
-section "bench (CPU, quick): our CPU target against jax.lax.scan, outputs checked"
-python bench/bench_selective_scan.py --device cpu --quick --no-baselines --out "${TMPDIR:-/tmp}/xla_ssm_bench"
+section "pytest tests/python"
+python -m pytest tests/python -q -ra
 
-section "bench (CPU, quick): decode step (bench/bench_decode.py), outputs checked"
-python bench/bench_decode.py --device cpu --out "${TMPDIR:-/tmp}/xla_ssm_bench"
+section "beside pytest: JAX compatibility, the smoke subset under jax 0.5.0 (the first jax.ffi), 0.9.0 (EXLA's XLA) and the newest (scripts/compat.sh); the quick CPU benchmarks; pip install"
+beside_status=0
+wait "$beside_pid" || beside_status=$?
+cat "$beside_log"
+rm -f "$beside_log"
+if [ "$beside_status" -ne 0 ]; then
+  echo "a check beside pytest failed (exit $beside_status)" >&2
+  exit "$beside_status"
+fi
 
-section "bench (CPU, quick): SSD (bench/bench_ssd.py), outputs and gradients checked"
-python bench/bench_ssd.py --device cpu --quick --out "${TMPDIR:-/tmp}/xla_ssm_bench"
+section "C++ host through PJRT: XLA's CPU plugin (PyPI lammps-jax-pjrt-cpu, PJRT 0.115) runs both targets (tests/cpp)"
+pjrt_dir="$PWD/.compat/pjrt-cpu-0.11.2"
+if [ ! -f "$pjrt_dir/lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so" ]; then
+  python -m pip install --disable-pip-version-check --quiet --no-deps --target "$pjrt_dir" lammps-jax-pjrt-cpu==0.11.2
+fi
+XLA_SSM_PJRT_PLUGIN="$pjrt_dir/lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so" bash tests/cpp/run.sh "$XLA_SSM_LIBRARY"
 
 section "all tests passed"
