@@ -95,9 +95,29 @@ class _Shard:
         return jnp.exp(self.A[:, None, :][None] * cs[..., None])
 
 
-def _exchange(x, axes):
-    """Every shard's x, in shard order: (shards, *x.shape)."""
-    return jax.lax.all_gather(x, axes)
+def carry_in(decay, end, start, axes, shards):
+    """The state entering this shard and the final state, from every shard's (decay, end state
+    from zero) and the state entering the first (`start`, None: zeros)."""
+    decays, ends = jax.lax.all_gather(decay, axes), jax.lax.all_gather(end, axes)
+    h = start if start is not None else jnp.zeros_like(end)
+    entering = []
+    for j in range(shards):
+        entering.append(h)
+        h = ends[j] + decays[j] * h
+    return jnp.stack(entering)[jax.lax.axis_index(axes)], h
+
+
+def carry_back(decay, pull, dfinal, axes, shards):
+    """The gradient reaching this shard's end state and the one reaching the first shard's
+    entering state, from every shard's (decay, pull of its outputs on its entering state) and the
+    final state's gradient (None: zeros)."""
+    decays, pulls = jax.lax.all_gather(decay, axes), jax.lax.all_gather(pull, axes)
+    g = dfinal if dfinal is not None else jnp.zeros_like(pull)
+    leaving = [None] * shards
+    for j in reversed(range(shards)):
+        leaving[j] = g
+        g = pulls[j] + decays[j] * g
+    return jnp.stack(leaving)[jax.lax.axis_index(axes)], g
 
 
 def lower(call, axes, mesh, raw):
@@ -110,13 +130,7 @@ def lower(call, axes, mesh, raw):
         local = call._replace(cfg=cfg._replace(has_initial_state=False))
         res = raw(local, *s.plain)
         out, end = res[0], res[1]
-        decay, ends = _exchange(s.decay(), axes), _exchange(end, axes)
-        h = s.h0 if s.h0 is not None else jnp.zeros_like(end)
-        entering = []
-        for j in range(shards):
-            entering.append(h)
-            h = ends[j] + decay[j] * h
-        h_in = jnp.stack(entering)[jax.lax.axis_index(axes)]
+        h_in, h = carry_in(s.decay(), end, s.h0, axes, shards)
         carried = jnp.sum(s.c_per_channel() * s.carried() * s.state(h_in), axis=-1)
         out = (out.astype(_F32) + carried * s.gate()).astype(out.dtype)
         if not call.checkpoint_len:
@@ -133,13 +147,7 @@ def lower(call, axes, mesh, raw):
         h_in = ckpt[:, :, 0, :]  # the forward's checkpoint 0: the true state entering this shard
         gy = dout.astype(_F32) * s.gate()
         pull = jnp.sum(gy[..., None] * s.c_per_channel() * s.carried(), axis=s.l_axis)
-        decay, pulls = _exchange(s.decay(), axes), _exchange(pull, axes)
-        g = dfinal if dfinal is not None else jnp.zeros_like(h_in)
-        leaving = [None] * shards
-        for j in reversed(range(shards)):
-            leaving[j] = g
-            g = pulls[j] + decay[j] * g
-        g_end = jnp.stack(leaving)[jax.lax.axis_index(axes)]
+        g_end, g = carry_back(s.decay(), pull, dfinal, axes, shards)
         local = call._replace(cfg=cfg._replace(has_initial_state=True), has_dfinal_state=True)
         grads = raw(local, *s.plain, h_in, ckpt, dout, g_end)
         return (*grads[:-1], g) if cfg.has_initial_state else tuple(grads[:-1])

@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ._scan_seq import carry_back, carry_in
 from ._selective_scan import _softplus
 
 _F32 = jnp.float32
@@ -82,13 +83,7 @@ def lower(call, axes, mesh, raw):
         s = _Shard(cfg, ops)
         res = raw(call._replace(cfg=cfg._replace(has_initial_states=False)), *s.plain)
         y, end = res[0], res[1]
-        decay, ends = jax.lax.all_gather(s.decay(), axes), jax.lax.all_gather(end, axes)
-        h = s.h0 if s.h0 is not None else jnp.zeros_like(end)
-        entering = []
-        for j in range(shards):
-            entering.append(h)
-            h = ends[j] + decay[j] * h
-        h_in = jnp.stack(entering)[jax.lax.axis_index(axes)]
+        h_in, h = carry_in(s.decay(), end, s.h0, axes, shards)
         y = (y.astype(_F32) + s.from_state(h_in) * s.gate()).astype(y.dtype)
         if not call.save_chunk_states:
             return y, h
@@ -103,13 +98,7 @@ def lower(call, axes, mesh, raw):
         dfinal = ops[n + 2] if call.has_dfinal_states else None
         h_in = chunks[:, :, :, 0, :].astype(_F32)  # the forward's first chunk state: S entering the shard
         pull = s.pull(dy.astype(_F32) * s.gate())
-        decay, pulls = jax.lax.all_gather(s.decay(), axes), jax.lax.all_gather(pull, axes)
-        g = dfinal if dfinal is not None else jnp.zeros_like(h_in)
-        leaving = [None] * shards
-        for j in reversed(range(shards)):
-            leaving[j] = g
-            g = pulls[j] + decay[j] * g
-        g_end = jnp.stack(leaving)[jax.lax.axis_index(axes)]
+        g_end, g = carry_back(s.decay(), pull, dfinal, axes, shards)
         local = call._replace(cfg=cfg._replace(has_initial_states=True), has_dfinal_states=True)
         grads = raw(local, *s.plain, h_in, chunks, dy, g_end)
         return (*grads[:-1], g) if cfg.has_initial_states else tuple(grads[:-1])
