@@ -41,6 +41,16 @@ def timeit(fn, *args, reps=20, calls=5):
     return float(np.median(times)) * 1e6
 
 
+def vjp(f, *args):
+    """f's forward and backward (a cotangent of ones), jitted."""
+
+    def run(a, *rest):
+        out, back = jax.vjp(lambda a: f(a, *rest), a)
+        return back(jnp.ones_like(out))
+
+    return jax.jit(run)
+
+
 def scan_inputs(rng, dim, dstate, lens, layout, dtype):
     total = sum(lens)
     x = (1, dim, total) if layout == "bdl" else (1, total, dim)
@@ -83,13 +93,6 @@ def bench_scan(dim, dstate, lens, layout, dtype, results):
     whole = jax.jit(lambda a: xla_ssm.selective_scan(**a, **kw))
     ax, bc_ax = (2, 3) if layout == "bdl" else (1, 1)
     pad = padded(a, lens, lambda k: ax if k in ("u", "delta", "z") else bc_ax if k in ("B", "C") else None)
-
-    def vjp(f, *args):
-        def run(a, *rest):
-            out, back = jax.vjp(lambda a: f(a, *rest), a)
-            return back(jnp.ones_like(out))
-
-        return jax.jit(run)
 
     # The check: packed == each sequence on its own (the padded batch's rows, cut back).
     got = np.asarray(packed(a, cu), np.float32)
@@ -138,13 +141,6 @@ def bench_ssd(heads, headdim, dstate, lens, dtype, results):
     packed = jax.jit(lambda a, c: xla_ssm.ssd(**a, **kw, cu_seqlens=c))
     whole = jax.jit(lambda a: xla_ssm.ssd(**a, **kw))
     pad = padded(a, lens, lambda k: 1 if k in ("x", "dt", "B", "C", "z") else None)
-
-    def vjp(f, *args):
-        def run(a, *rest):
-            out, back = jax.vjp(lambda a: f(a, *rest), a)
-            return back(jnp.ones_like(out))
-
-        return jax.jit(run)
 
     got = np.asarray(packed(a, cu), np.float32)
     want = np.asarray(whole(pad), np.float32)
