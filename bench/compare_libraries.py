@@ -19,11 +19,28 @@ import subprocess
 import sys
 import time
 
+# The selective scan's cases: (layout, batch, dim, seqlen, dstate, with the backward). The main
+# shape takes one thread a channel; the others take the kernels of 2 to 16 threads a channel, the
+# sequence split (1 x 16384) and the small-grid plan (1 x 1536).
+SCANS = {
+    "scan_fwd_bdl": ("bdl", 8, 4096, 2048, 16, False),
+    "scan_fwd_bld": ("bld", 8, 4096, 2048, 16, False),
+    "scan_fwd_bwd": ("bdl", 8, 4096, 2048, 16, True),
+    "scan_fwd_long": ("bdl", 1, 4096, 16384, 16, False),
+    "scan_fwd_small": ("bdl", 1, 1536, 2048, 16, False),
+    "scan_fwd_n64": ("bdl", 8, 4096, 2048, 64, False),
+    "scan_fwd_n128_bld": ("bld", 2, 2048, 2048, 128, False),
+    "scan_fwd_bwd_bld": ("bld", 8, 4096, 2048, 16, True),
+    "scan_fwd_bwd_long": ("bdl", 1, 4096, 16384, 16, True),
+    "scan_fwd_bwd_n64": ("bdl", 4, 4096, 2048, 64, True),
+}
 OPS = {
     # name: description
-    "scan_fwd_bdl": "selective scan forward, bf16 8x4096x2048x16, z D delta_bias softplus",
-    "scan_fwd_bld": "the same, channel-last",
-    "scan_fwd_bwd": "selective scan forward + backward (jax.vjp), same shape, bdl",
+    **{
+        name: f"selective scan forward{' + backward (jax.vjp)' if bwd else ''}, bf16 {b}x{d}x{l}x{n} {layout}, z D "
+        "delta_bias softplus"
+        for name, (layout, b, d, l, n, bwd) in SCANS.items()
+    },
     "ssd_fwd": "SSD forward, bf16 8x2048, 64 heads x 64, dstate 128, chunk 256, D softplus",
     "ssd_fwd_bwd": "SSD forward + backward (jax.vjp), same shape",
     "decode_b1": "fused decode step, batch 1, dim 4096, dstate 16, bf16",
@@ -40,13 +57,12 @@ def worker(ops, reps, out_path):
     import xla_ssm
 
     bf16, f32 = jnp.bfloat16, jnp.float32
-    key = iter(jax.random.split(jax.random.PRNGKey(0), 64))
+    key = iter(jax.random.split(jax.random.PRNGKey(0), 256))
 
     def rnd(shape, dtype=bf16, scale=1.0):
         return (scale * jax.random.normal(next(key), shape, f32)).astype(dtype)
 
-    def scan_args(layout):
-        b, d, l, n = 8, 4096, 2048, 16
+    def scan_args(layout, b, d, l, n):
         x = (b, d, l) if layout == "bdl" else (b, l, d)
         bc = (b, 1, n, l) if layout == "bdl" else (b, l, 1, n)
         a = -jnp.exp(rnd((d, n), f32, 0.5))
@@ -62,11 +78,11 @@ def worker(ops, reps, out_path):
         )
 
     def build(op):
-        if op in ("scan_fwd_bdl", "scan_fwd_bld"):
-            args, kw = scan_args(op[-3:])
-            return jax.jit(lambda *a: xla_ssm.selective_scan(*a, **kw)), args
-        if op == "scan_fwd_bwd":
-            args, kw = scan_args("bdl")
+        if op in SCANS:
+            layout, *shape, bwd = SCANS[op]
+            args, kw = scan_args(layout, *shape)
+            if not bwd:
+                return jax.jit(lambda *a: xla_ssm.selective_scan(*a, **kw)), args
 
             def f(*a):
                 out, pull = jax.vjp(lambda *a: xla_ssm.selective_scan(*a, **kw), *a)
@@ -155,14 +171,14 @@ def main():
                 for op, (t, total) in json.load(fh).items():
                     times[lib][op].append(t)
                     sums.setdefault(op, {})[lib] = total
-    print(f"{'op':14} {'old us':>9} {'new us':>9} {'new/old':>8}  outputs   what")
+    print(f"{'op':18} {'old us':>9} {'new us':>9} {'new/old':>8}  outputs   what")
     worst = 0.0
     for op in ops:
         old, new = statistics.median(times["old"][op]), statistics.median(times["new"][op])
         s_old, s_new = sums[op]["old"], sums[op]["new"]
         same = abs(s_old - s_new) <= 1e-3 * max(abs(s_old), 1e-30)
         worst = max(worst, new / old)
-        print(f"{op:14} {old * 1e6:9.1f} {new * 1e6:9.1f} {new / old:8.3f}  {'same' if same else 'DIFFER'}    {OPS[op]}")
+        print(f"{op:18} {old * 1e6:9.1f} {new * 1e6:9.1f} {new / old:8.3f}  {'same' if same else 'DIFFER'}    {OPS[op]}")
     print(f"slowest ratio new/old: {worst:.3f} (rounds: {a.rounds}, each a median of 5 trials x {a.reps} calls)")
 
 
