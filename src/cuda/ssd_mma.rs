@@ -33,7 +33,7 @@ fn bwd_shared_bytes(dstate: i64) -> u32 {
     (21264 + 512 * (dstate + 8) + 128 * dstate) as u32
 }
 
-/// head_msum's threads, and its shared memory (`msum_shared_bytes`, kernels/ssd_bwd.cu): two stages,
+/// head_msum's threads, and its shared memory (`msum_shared_bytes`, kernels/ssd_bwd_sums.cuh): two stages,
 /// each of a head's dy and x over the chunk (rows of 64 2-byte elements) and the chunk's {cum, dt}, in
 /// whole KiB; then a scaled copy of x's rows but the last tile's; plus a KiB to align them.
 const MSUM_THREADS: u32 = 256;
@@ -42,9 +42,9 @@ fn msum_shared_bytes(chunk: i64) -> u32 {
     (2 * stage + (chunk - MMA_TILE) * 64 * 2 + 1024) as u32
 }
 
-/// bc_sums' shared memory (`bc_shared_bytes`, kernels/ssd_bwd.cu): two stages, each of a head's dy or
-/// x over the chunk (rows of 72 2-byte elements), a 64 x dstate state tile, the chunk's {cum, dt} and
-/// its last two steps', in whole KiB; plus a KiB to align them.
+/// bc_sums' shared memory (`bc_shared_bytes`, kernels/ssd_bwd_sums.cuh): two stages, each of a head's
+/// dy or x over the chunk (rows of 72 2-byte elements), a 64 x dstate state tile, the chunk's {cum, dt}
+/// and its last two steps', in whole KiB; plus a KiB to align them.
 fn bc_shared_bytes(chunk: i64, dstate: i64) -> u32 {
     let stage = whole_kib(chunk * 72 * 2 + 64 * dstate * 2 + chunk * 8 + 16);
     (2 * stage + 1024) as u32
@@ -186,7 +186,7 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
     // group) for each of dB and dC. The scalars and M read nothing the kernel just ahead of them writes
     // (the forward or the main kernel): they may start as that kernel's last blocks drain (each waits
     // for it before finishing). bc_sums and reduce_params wait before they start, but their launch
-    // overlaps the kernel ahead (kernels/ssd_bwd.cu).
+    // overlaps the kernel ahead (kernels/ssd_bwd_sums.cuh).
     let n_chunks = (p.seqlen + p.chunk_size - 1) / p.chunk_size;
     let units = (p.batch * n_chunks * p.groups) as u64;
     let scalars = flat(p.batch * p.heads * n_chunks * 32, u64::MAX);

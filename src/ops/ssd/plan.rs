@@ -229,7 +229,7 @@ pub fn chunk_states_dtype(dtype: DType, headdim: i64, dstate: i64, chunk_size: i
     }
 }
 
-/// The largest chunk the backward's head sums take (kernels/ssd_bwd.cu: `kMsumTasks`, and its
+/// The largest chunk the backward's head sums take (kernels/ssd_bwd_sums.cuh: `kMsumTasks`, and its
 /// 2 * chunk_size-thread blocks).
 const MMA_MAX_CHUNK: i64 = 256;
 /// head_msum sums a group's heads in up to this many ranges, each a block (two give about a block
