@@ -134,6 +134,10 @@ fn kernels(out: &Path) {
         .collect();
     let mut table =
         String::from("/// (module name, fatbin) for every kernels/*.cu.\npub static FATBINS: &[(&str, &[u8])] = &[\n");
+    let mut names = String::from(
+        "/// (module name, the kernels its file defines) for every kernels/*.cu.\n\
+         pub static KERNEL_NAMES: &[(&str, &[&str])] = &[\n",
+    );
     for (stem, fatbin, cached, child) in jobs {
         if let Some(mut child) = child {
             let status = child.wait().unwrap();
@@ -141,9 +145,65 @@ fn kernels(out: &Path) {
             cache.store(&stem, &fatbin, &cached);
         }
         table += &format!("    ({stem:?}, include_bytes!({:?})),\n", fatbin.display().to_string());
+        // The file's kernel names, kept beside its cached fatbin (nvcc -E: about a second a file).
+        let names_file = cached.with_extension("names");
+        if !names_file.is_file() {
+            let defined = kernel_names(&nvcc, Path::new(&format!("kernels/{stem}.cu")));
+            std::fs::write(&names_file, defined.join("\n")).expect("writing the fatbin cache");
+        }
+        let defined = std::fs::read_to_string(&names_file).expect("the cached kernel names");
+        names += &format!("    ({stem:?}, &{:?}),\n", defined.lines().collect::<Vec<_>>());
     }
     table += "];\n";
-    std::fs::write(out.join("fatbins.rs"), table).unwrap();
+    names += "];\n";
+    std::fs::write(out.join("fatbins.rs"), table + &names).unwrap();
+}
+
+/// The kernels (`extern "C"` `__global__` definitions) of a kernels/*.cu, from nvcc's preprocessed
+/// source: for src/cuda/kernels.rs's test that the launchers' names and the files agree (the
+/// fatbins are compressed, so their symbols cannot be read directly).
+fn kernel_names(nvcc: &Path, src: &Path) -> Vec<String> {
+    let out = Command::new(nvcc)
+        .args(["-E", "-std=c++17"])
+        .arg(src)
+        .output()
+        .unwrap_or_else(|e| panic!("could not run {}: {e}", nvcc.display()));
+    assert!(out.status.success(), "nvcc -E failed on {}", src.display());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut names = Vec::new();
+    for piece in text.split("extern \"C\"").skip(1) {
+        // A definition: its head (up to the body) has no `;` and the global attribute.
+        let Some(head) = piece.find('{').map(|body| piece[..body].trim_end()) else { continue };
+        if head.contains(';') || !head.contains("global") || !head.ends_with(')') {
+            continue;
+        }
+        // The parameter list is the last parenthesized group; the name is the identifier before it.
+        let mut depth = 0;
+        let open = head.char_indices().rev().find(|&(_, c)| {
+            depth += match c {
+                ')' => 1,
+                '(' => -1,
+                _ => 0,
+            };
+            depth == 0
+        });
+        let Some((open, _)) = open else { continue };
+        let before = head[..open].trim_end();
+        let name: String = before
+            .chars()
+            .rev()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        if !name.is_empty() {
+            names.push(name);
+        }
+    }
+    names.sort();
+    names.dedup();
+    names
 }
 
 /// Compiled fatbins kept between runs of this script, by a hash of everything nvcc reads. `cargo
@@ -190,6 +250,7 @@ impl FatbinCache {
             .collect();
         entries.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
         for (_, old) in entries.into_iter().skip(Self::KEEP) {
+            let _ = std::fs::remove_file(old.with_extension("names"));
             let _ = std::fs::remove_file(old);
         }
     }

@@ -3,6 +3,7 @@
 //! per (batch, channel) row (update). Packed sequences: the same, batch 1, and dx's threads followed by
 //! dinitial_states' (num_seqs, dim, width - 1).
 
+use super::kernels::{self, CONV};
 use super::{copy_async, launch, LaunchConfig};
 use crate::error::Result;
 use crate::ops::conv1d::{Conv, Kind};
@@ -18,16 +19,15 @@ fn flat(n: i64) -> LaunchConfig {
 
 pub fn run(conv: &Conv, stream: *mut c_void) -> Result<()> {
     let p = &conv.params();
-    let types = format!("{}_{}", conv.dtype().name(), conv.weight_dtype().name());
-    let m = "causal_conv1d";
+    let types = (conv.dtype(), conv.weight_dtype());
+    let m = CONV;
     // Packed sequences take their own kernels, which find each step's sequence by a binary search
     // over cu_seqlens; the unpacked ones are unchanged.
-    let packed = if p.cu_seqlens.is_null() { "" } else { "packed_" };
+    let packed = !p.cu_seqlens.is_null();
+    let kernel = |k| kernels::conv(k, packed, types);
     match conv.kind() {
         // SAFETY: the parameters of a validated call (see `launch`).
-        Kind::Fwd => unsafe {
-            launch(stream, m, &format!("causal_conv1d_fwd_{packed}{types}"), flat(p.batch * p.dim * p.seqlen), p)
-        },
+        Kind::Fwd => unsafe { launch(stream, m, &kernel(kernels::Conv::Fwd), flat(p.batch * p.dim * p.seqlen), p) },
         Kind::Bwd => {
             let dx_threads = if p.cu_seqlens.is_null() {
                 p.batch * p.dim * (p.seqlen + p.width - 1)
@@ -36,10 +36,10 @@ pub fn run(conv: &Conv, stream: *mut c_void) -> Result<()> {
                 p.dim * p.seqlen + dinitial
             };
             // SAFETY: the parameters of a validated call (see `launch`).
-            unsafe { launch(stream, m, &format!("causal_conv1d_bwd_dx_{packed}{types}"), flat(dx_threads), p) }?;
+            unsafe { launch(stream, m, &kernel(kernels::Conv::BwdDx), flat(dx_threads), p) }?;
             let per_channel = LaunchConfig { grid: (p.dim as u64, 1, 1), block: REDUCE_THREADS, shared_bytes: 0 };
             // SAFETY: the parameters of a validated call (see `launch`).
-            unsafe { launch(stream, m, &format!("causal_conv1d_bwd_dw_{packed}{types}"), per_channel, p) }
+            unsafe { launch(stream, m, &kernel(kernels::Conv::BwdDw), per_channel, p) }
         }
         Kind::Update => {
             if let Some(copy) = conv.state_copy() {
@@ -47,7 +47,7 @@ pub fn run(conv: &Conv, stream: *mut c_void) -> Result<()> {
                 unsafe { copy_async(stream, copy.to, copy.from, copy.bytes) }?;
             }
             // SAFETY: the parameters of a validated call (see `launch`).
-            unsafe { launch(stream, m, &format!("causal_conv1d_update_{types}"), flat(p.batch * p.dim), p) }
+            unsafe { launch(stream, m, &kernels::conv(kernels::Conv::Update, false, types), flat(p.batch * p.dim), p) }
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The fused decode step on CUDA: conv update, SiLU, state update and gate in one kernel of
 //! kernels/selective_state_update.cu.
 
-use super::state_update::{geometry, type_suffix};
+use super::kernels;
+use super::state_update::geometry;
 use super::{copy_async, launch};
 use crate::error::Result;
 use crate::ops::conv1d::Conv;
@@ -19,7 +20,7 @@ pub fn step(c: &Conv, u: &Update, stream: *mut c_void) -> Result<()> {
     if ssm.batch * ssm.dim == 0 {
         return Ok(());
     }
-    let (config, form) = geometry(&mut ssm, u.state_dtype(), Some(c.params().width));
+    let (config, fast) = geometry(&mut ssm, u.state_dtype(), Some(c.params().width));
     let params = DecodeParams {
         ssm,
         conv_state: c.params().conv_state,
@@ -27,8 +28,7 @@ pub fn step(c: &Conv, u: &Update, stream: *mut c_void) -> Result<()> {
         conv_bias: c.params().bias,
         width: c.params().width,
     };
-    let types: [crate::DType; 4] = [u.dtype(), u.bc_dtype(), u.state_dtype(), c.weight_dtype()];
-    let kernel = format!("mamba_decode_step_{}{form}", type_suffix(&types));
+    let kernel = kernels::decode_step([u.dtype(), u.bc_dtype(), u.state_dtype(), c.weight_dtype()], fast);
     // SAFETY: the parameters of a validated call (see `launch`).
-    unsafe { launch(stream, "selective_state_update", &kernel, config, &params) }
+    unsafe { launch(stream, kernels::STATE_UPDATE, &kernel, config, &params) }
 }

@@ -10,6 +10,7 @@ use std::ffi::{c_void, CString};
 use std::sync::Mutex;
 
 pub(crate) mod conv1d;
+pub mod kernels;
 pub(crate) mod mamba_decode;
 pub(crate) mod selective_scan;
 pub(crate) mod selective_scan_bwd;
@@ -251,6 +252,15 @@ pub unsafe fn launch<P>(
 ) -> Result<()> {
     // SAFETY: the caller's promise, passed on.
     unsafe { launch_ex(stream, module, kernel, config, params, Start::AfterPrevious) }
+}
+
+/// Finds `module`'s `kernel` in the context of `stream` (loading the module there if it is not yet):
+/// for tests, and for hosts that check a build against their GPU before a call needs it.
+pub fn resolve(stream: *mut c_void, module: &'static str, kernel: &str) -> Result<()> {
+    driver()?;
+    let ctx = stream_context(stream as sys::CUstream)?;
+    let _current = ContextGuard::push(ctx)?;
+    function(ctx, module, kernel, 0).map(|_| ())
 }
 
 /// When a kernel may start, relative to the one ahead of it on the stream.

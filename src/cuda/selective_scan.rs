@@ -23,6 +23,7 @@ use crate::ops::selective_scan::{
 use once_cell::sync::Lazy;
 use std::ffi::c_void;
 
+use super::kernels::{self, SCAN_FWD};
 use super::{launch, LaunchConfig};
 
 const LANE_STATES: i64 = 8;
@@ -107,9 +108,8 @@ pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
     if p.batch * p.dim == 0 {
         return Ok(());
     }
-    let types = format!("{}_{}", fwd.dtype().name(), fwd.bc_dtype().name());
+    let types = (fwd.dtype(), fwd.bc_dtype());
     let packed = !p.cu_seqlens.is_null();
-    let suffix = if packed { "_packed" } else { "" };
     // The tiled kernel is 6-36x faster than the lanes kernel at the benchmark shapes on the H100
     // (`tests/cuda/fwd_check.cu time`), small ones included; lanes covers what tiled does not.
     if tiled_supported(fwd) && !forced("lanes") {
@@ -131,16 +131,14 @@ pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
                 || (tiles * p.batch * chunks >= ONE_THREAD_MIN_BLOCKS
                     && (!split || chunk_len >= ONE_THREAD_MIN_CHUNK)));
         let launch_pass = |local: bool, pass_tpc: i64, grid_chunks: i64, params: &FwdParams| {
-            let pass = if local { "tiled_local" } else { "tiled" };
-            let form = tiled_bc_form(fwd, pass_tpc);
-            let kernel = format!("selective_scan_fwd_{pass}{suffix}_{types}_tpc{pass_tpc}_{form}");
+            let kernel = kernels::scan_fwd_tiled(local, packed, types, pass_tpc, tiled_bc_form(fwd, pass_tpc));
             let config = LaunchConfig {
                 grid: (tiles as u64, p.batch as u64, grid_chunks as u64),
                 block: (tiled_channels(pass_tpc) * pass_tpc) as u32, // Tiled<TPC>::kThreads
                 shared_bytes: tiled_shared_bytes(fwd.dtype().size_bytes(), pass_tpc),
             };
             // SAFETY: the parameters of a validated call (see `launch`).
-            unsafe { launch(stream, "selective_scan_fwd", &kernel, config, params) }
+            unsafe { launch(stream, SCAN_FWD, &kernel, config, params) }
         };
         let final_tpc = if one_thread { 1 } else { tpc };
         if split {
@@ -151,10 +149,10 @@ pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
         launch_pass(false, final_tpc, 1, p)
     } else {
         let ns = lanes_per_channel(p.dstate);
-        let kernel = format!("selective_scan_fwd_lanes{suffix}_{types}_ns{ns}");
+        let kernel = kernels::scan_fwd_lanes(packed, types, ns);
         let blocks = ((p.batch * p.dim * ns) as u64).div_ceil(LANES_BLOCK as u64);
         let config = LaunchConfig { grid: (blocks, 1, 1), block: LANES_BLOCK, shared_bytes: 0 };
         // SAFETY: the parameters of a validated call (see `launch`).
-        unsafe { launch(stream, "selective_scan_fwd", &kernel, config, p) }
+        unsafe { launch(stream, SCAN_FWD, &kernel, config, p) }
     }
 }

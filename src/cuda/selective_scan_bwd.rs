@@ -6,6 +6,7 @@
 //! they were; the plan (threads per channel, sequence split, workspace) is the same as unpacked, from
 //! the shapes alone (the boundaries are on the device).
 
+use super::kernels::{self, SCAN_BWD};
 use super::{launch, sm_shared_memory, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::ops::selective_scan::{
@@ -100,29 +101,19 @@ pub fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
         fwd: FwdParams { chunk_len: layout.part_len, n_chunks: layout.n_split, ..bwd.params().fwd },
         ..bwd.params()
     };
-    let form = if bwd.bc_time_varying() { "varying" } else { "invariant" };
-    let types = format!("{}_{}_tpc{tpc}_{form}", bwd.dtype().name(), bwd.bc_dtype().name());
+    let tiled_kernel =
+        |local: bool| kernels::scan_bwd_tiled(local, packed, (bwd.dtype(), bwd.bc_dtype()), tpc, bwd.bc_time_varying());
     let tiled = |parts: i64| LaunchConfig {
         grid: (layout.blocks_per_row as u64, p.batch as u64, parts as u64),
         block: THREADS,
         shared_bytes: shared,
     };
-    let suffix = if packed { "_packed" } else { "" };
     if layout.n_split > 1 {
-        let local = format!("selective_scan_bwd_tiled_local{suffix}_{types}");
         // SAFETY: the parameters of a validated call (see `launch`).
-        unsafe { launch(stream, "selective_scan_bwd", &local, tiled(layout.n_split - 1), &params) }?;
+        unsafe { launch(stream, SCAN_BWD, &tiled_kernel(true), tiled(layout.n_split - 1), &params) }?;
     }
     // SAFETY: the parameters of a validated call (see `launch`).
-    unsafe {
-        launch(
-            stream,
-            "selective_scan_bwd",
-            &format!("selective_scan_bwd_tiled{suffix}_{types}"),
-            tiled(layout.n_split),
-            &params,
-        )
-    }?;
+    unsafe { launch(stream, SCAN_BWD, &tiled_kernel(false), tiled(layout.n_split), &params) }?;
 
     let reduce = BwdReduceParams {
         q: params,
@@ -137,18 +128,14 @@ pub fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
         block: REDUCE_THREADS,
         shared_bytes: 0,
     };
-    let bc = bwd.bc_dtype().name();
+    let bc = bwd.bc_dtype();
     if bwd.bc_time_varying() {
         let groups = bwd.groups().max(1);
         let items = p.batch * groups * p.seqlen * p.dstate;
         // SAFETY: the parameters of a validated call (see `launch`).
-        unsafe {
-            launch(stream, "selective_scan_bwd", &format!("selective_scan_bwd_reduce_bc_{bc}"), config(items), &reduce)
-        }?;
+        unsafe { launch(stream, SCAN_BWD, &kernels::scan_bwd_reduce(true, bc), config(items), &reduce) }?;
     }
     let items = p.dim * p.dstate.max(1);
     // SAFETY: the parameters of a validated call (see `launch`).
-    unsafe {
-        launch(stream, "selective_scan_bwd", &format!("selective_scan_bwd_reduce_params_{bc}"), config(items), &reduce)
-    }
+    unsafe { launch(stream, SCAN_BWD, &kernels::scan_bwd_reduce(false, bc), config(items), &reduce) }
 }

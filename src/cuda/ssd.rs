@@ -19,7 +19,7 @@ use crate::ops::{selective_scan, Platform};
 use crate::DType;
 use std::ffi::c_void;
 
-const MODULE: &str = "ssd_glue";
+use super::kernels::{self, SSD_GLUE as MODULE};
 /// `kGlueThreads` of the kernels.
 const THREADS: u32 = 256;
 /// Grid-stride loops: enough blocks to fill an H100 a few times over.
@@ -140,8 +140,8 @@ fn grid_stride(items: i64) -> LaunchConfig {
 fn expand(g: &GlueParams, dtype: DType, stream: *mut c_void) -> Result<()> {
     let p = &g.q.fwd;
     // SAFETY: the parameters of a validated call (see `launch`).
-    unsafe { launch(stream, MODULE, "ssd_glue_expand_params", grid_stride(p.dim() * p.dstate), g) }?;
-    let kernel = format!("ssd_glue_expand_delta_{}", dtype.name());
+    unsafe { launch(stream, MODULE, kernels::SSD_GLUE_EXPAND_PARAMS, grid_stride(p.dim() * p.dstate), g) }?;
+    let kernel = kernels::ssd_glue("expand_delta", dtype);
     // SAFETY: the parameters of a validated call (see `launch`).
     unsafe { launch(stream, MODULE, &kernel, grid_stride(p.rows() * p.headdim), g) }
 }
@@ -176,7 +176,7 @@ fn convert_chunk_states(g: &GlueParams, kernel: &str, dtype: DType, stream: *mut
     let config = grid_stride(g.q.fwd.chunk_states_len());
     // SAFETY: the parameters of a validated call (see `launch`); chunk_states_f32 holds
     // chunk_states_len f32 of the workspace.
-    unsafe { launch(stream, MODULE, &format!("{kernel}_{}", dtype.name()), config, g) }
+    unsafe { launch(stream, MODULE, &kernels::ssd_glue(kernel, dtype), config, g) }
 }
 
 fn generic_fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
@@ -194,7 +194,7 @@ fn generic_fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
     }
     let run = ssd.with_chunk_states(f32_copy as *mut c_void);
     selective_scan::run_fwd(&scan_fwd(&run, &scratch)?, Platform::Cuda { stream })?;
-    convert_chunk_states(&g, "ssd_glue_round_chunk_states", ssd.dtype(), stream)
+    convert_chunk_states(&g, "round_chunk_states", ssd.dtype(), stream)
 }
 
 fn generic_bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
@@ -212,7 +212,7 @@ fn generic_bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
     if f32_copy.is_null() {
         selective_scan::run_bwd(&scan_bwd(bwd, &scratch)?, Platform::Cuda { stream })?;
     } else {
-        convert_chunk_states(&g, "ssd_glue_widen_chunk_states", ssd.dtype(), stream)?;
+        convert_chunk_states(&g, "widen_chunk_states", ssd.dtype(), stream)?;
         let run = bwd.with_chunk_states(f32_copy as *mut c_void);
         selective_scan::run_bwd(&scan_bwd(&run, &scratch)?, Platform::Cuda { stream })?;
     }
@@ -221,8 +221,8 @@ fn generic_bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
     let blocks = (p.rows().max(0) as u64).div_ceil(rows_per_block).min(MAX_BLOCKS);
     let config = LaunchConfig { grid: (blocks, 1, 1), block: THREADS, shared_bytes: 0 };
     // SAFETY: the parameters of a validated call (see `launch`).
-    unsafe { launch(stream, MODULE, &format!("ssd_glue_reduce_ddt_{}", ssd.dtype().name()), config, &g) }?;
+    unsafe { launch(stream, MODULE, &kernels::ssd_glue("reduce_ddt", ssd.dtype()), config, &g) }?;
     let per_head = LaunchConfig { grid: (p.heads as u64, 1, 1), block: THREADS, shared_bytes: 0 };
     // SAFETY: the parameters of a validated call (see `launch`).
-    unsafe { launch(stream, MODULE, "ssd_glue_reduce_heads", per_head, &g) }
+    unsafe { launch(stream, MODULE, kernels::SSD_GLUE_REDUCE_HEADS, per_head, &g) }
 }

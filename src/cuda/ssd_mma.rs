@@ -6,14 +6,13 @@
 //! records of the parts before (after) it. The backward's main kernel has no gate: with z, the forward
 //! kernel first recomputes y before the gate and a small kernel turns dy into its gradient (and dz).
 
+use super::kernels::{self, SSD_BWD as BWD_MODULE, SSD_FWD as FWD_MODULE};
 use super::{compute_capability, launch, launch_ex, LaunchConfig, Start};
 use crate::error::Result;
 use crate::ops::ssd::plan::{self, Shape, MMA_TILE};
 use crate::ops::ssd::{BwdMmaParams, FwdMmaParams, Ssd, SsdBwd, SsdBwdParams, SsdParams};
 use std::ffi::c_void;
 
-const FWD_MODULE: &str = "ssd_fwd";
-const BWD_MODULE: &str = "ssd_bwd";
 /// `ssd_mma::kThreads`.
 const THREADS: u32 = 128;
 /// Threads of the reduce kernels' blocks, and the most blocks of the grid-stride one.
@@ -106,18 +105,19 @@ pub(super) fn fwd(
     let max_records = if workspace.is_null() { 0 } else { workspace_bytes / plan::mma_fwd_record_bytes(shape) };
     let split = plan::mma_fwd_split(shape, max_records, plan::Pieces::forward(shape, compute_capability(stream)?));
     let args = FwdMmaParams { p: SsdParams { workspace: workspace as *mut c_void, ..*p }, split };
-    let types = format!("{}_n{}", ssd.dtype().name(), p.dstate);
+    let (dtype, dstate) = (ssd.dtype(), p.dstate);
     let smem = fwd_shared_bytes(p.dstate);
     if split.n_parts > 1 {
         // SAFETY: the parameters of a validated call (see `launch`).
         unsafe {
-            launch(stream, FWD_MODULE, &format!("ssd_fwd_mma_local_{types}"), blocks(p, split.records(), smem), &args)
+            let kernel = kernels::ssd_fwd_mma(true, false, dtype, dstate);
+            launch(stream, FWD_MODULE, &kernel, blocks(p, split.records(), smem), &args)
         }?;
     }
     // With z, a kernel of its own (kernels/ssd_fwd.cu: the gate's code slowed the ungated one).
-    let main = if p.z.is_null() { "ssd_fwd_mma" } else { "ssd_fwd_mma_gated" };
+    let main = kernels::ssd_fwd_mma(false, !p.z.is_null(), dtype, dstate);
     // SAFETY: the parameters of a validated call (see `launch`).
-    unsafe { launch(stream, FWD_MODULE, &format!("{main}_{types}"), blocks(p, split.n_parts, smem), &args) }
+    unsafe { launch(stream, FWD_MODULE, &main, blocks(p, split.n_parts, smem), &args) }
 }
 
 /// The backward, its scratch at `workspace` (the aligned start of at least
@@ -160,25 +160,24 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
         let pairs = p.batch * p.seqlen * p.heads * p.headdim / 2;
         let config = flat(pairs, REDUCE_MAX_BLOCKS);
         // SAFETY: the parameters of a validated call (see `launch`).
-        unsafe { launch(stream, BWD_MODULE, &format!("ssd_bwd_gate_grad_{}", bwd.dtype().name()), config, &args) }?;
+        unsafe { launch(stream, BWD_MODULE, &kernels::ssd_bwd_per_type("gate_grad", bwd.dtype()), config, &args) }?;
         args.q = SsdBwdParams { dy: args.gated, fwd: SsdParams { z: std::ptr::null(), ..*p }, ..*q };
     }
-    let types = format!("{}_n{}", bwd.dtype().name(), p.dstate);
+    let (dtype, dstate) = (bwd.dtype(), p.dstate);
     let smem = bwd_shared_bytes(p.dstate);
     if layout.n_parts > 1 {
         let config = blocks(p, (layout.n_parts - 1) * layout.records_per_part, smem);
         // SAFETY: the parameters of a validated call (see `launch`).
-        unsafe { launch(stream, BWD_MODULE, &format!("ssd_bwd_mma_local_{types}"), config, &args) }?;
+        unsafe { launch(stream, BWD_MODULE, &kernels::ssd_bwd_mma("mma_local", dtype, dstate), config, &args) }?;
     }
-    let name = bwd.dtype().name();
     if !layout.head_sums {
         // dB, dC per head, then summed over each group: a thread per 8 states of (batch, seqlen, group).
-        let main = format!("ssd_bwd_mma_partials_{types}");
+        let main = kernels::ssd_bwd_mma("mma_partials", dtype, dstate);
         // SAFETY: the parameters of a validated call (see `launch`).
         unsafe { launch(stream, BWD_MODULE, &main, blocks(p, layout.n_parts, smem), &args) }?;
         let reduce_bc = flat(p.batch * p.seqlen * p.groups * p.dstate / 8, REDUCE_MAX_BLOCKS);
         // SAFETY: the parameters of a validated call (see `launch`).
-        unsafe { launch(stream, BWD_MODULE, &format!("ssd_bwd_reduce_bc_{name}"), reduce_bc, &args) }?;
+        unsafe { launch(stream, BWD_MODULE, &kernels::ssd_bwd_per_type("reduce_bc", dtype), reduce_bc, &args) }?;
         return reduce_params(p, &args, stream);
     }
     // dB, dC: each step's {cum, dt} (a warp per (batch, chunk, head)); after the main kernel, M summed
@@ -192,24 +191,37 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
     let scalars = flat(p.batch * p.heads * n_chunks * 32, u64::MAX);
     // SAFETY: the parameters of a validated call (see `launch`).
     unsafe {
-        launch_ex(stream, BWD_MODULE, &format!("ssd_bwd_chunk_scalars_{name}"), scalars, &args, Start::Overlapping)
+        launch_ex(
+            stream,
+            BWD_MODULE,
+            &kernels::ssd_bwd_per_type("chunk_scalars", dtype),
+            scalars,
+            &args,
+            Start::Overlapping,
+        )
     }?;
     // SAFETY: the parameters of a validated call (see `launch`).
-    unsafe { launch(stream, BWD_MODULE, &format!("ssd_bwd_mma_{types}"), blocks(p, layout.n_parts, smem), &args) }?;
+    unsafe {
+        launch(stream, BWD_MODULE, &kernels::ssd_bwd_mma("mma", dtype, dstate), blocks(p, layout.n_parts, smem), &args)
+    }?;
     let msum = LaunchConfig {
         grid: (units * layout.msum_split as u64, 1, 1),
         block: MSUM_THREADS,
         shared_bytes: msum_shared_bytes(p.chunk_size),
     };
     // SAFETY: the parameters of a validated call (see `launch`).
-    unsafe { launch_ex(stream, BWD_MODULE, &format!("ssd_bwd_head_msum_{name}"), msum, &args, Start::Overlapping) }?;
+    unsafe {
+        launch_ex(stream, BWD_MODULE, &kernels::ssd_bwd_per_type("head_msum", dtype), msum, &args, Start::Overlapping)
+    }?;
     let bc = LaunchConfig {
         grid: (units, 2, 1),
         block: (2 * p.chunk_size) as u32,
         shared_bytes: bc_shared_bytes(p.chunk_size, p.dstate),
     };
     // SAFETY: the parameters of a validated call (see `launch`).
-    unsafe { launch_ex(stream, BWD_MODULE, &format!("ssd_bwd_bc_sums_{types}"), bc, &args, Start::Overlapping) }?;
+    unsafe {
+        launch_ex(stream, BWD_MODULE, &kernels::ssd_bwd_mma("bc_sums", dtype, dstate), bc, &args, Start::Overlapping)
+    }?;
     reduce_params(p, &args, stream)
 }
 
@@ -217,5 +229,5 @@ pub(super) fn bwd(bwd: &SsdBwd, shape: &Shape, workspace: *mut u8, stream: *mut 
 fn reduce_params(p: &SsdParams, args: &BwdMmaParams, stream: *mut c_void) -> Result<()> {
     let config = LaunchConfig { grid: (p.heads as u64, 1, 1), block: p.headdim as u32, shared_bytes: 0 };
     // SAFETY: the parameters of a validated call (see `launch`).
-    unsafe { launch_ex(stream, BWD_MODULE, "ssd_bwd_reduce_params", config, args, Start::Overlapping) }
+    unsafe { launch_ex(stream, BWD_MODULE, kernels::SSD_BWD_REDUCE_PARAMS, config, args, Start::Overlapping) }
 }

@@ -5,6 +5,7 @@
 //! instructions per row: about the HBM copy rate); otherwise the general kernel. One launch; a copy
 //! before it only when XLA did not alias the state.
 
+use super::kernels;
 use super::{copy_async, launch, LaunchConfig};
 use crate::error::Result;
 use crate::ops::state_update::{Update, UpdateParams};
@@ -28,15 +29,11 @@ const FAST_BLOCK: u32 = 128;
 /// grid.y (batch rows) is at most this; the fast kernel loops over further rows.
 const MAX_GRID_Y: u64 = 65535;
 
-/// Sets `lanes` and `vectorized` and returns the launch shape for `p` and the kernel name's suffix:
-/// "" (the general kernel: any dstate, several passes per lane, flat rows) or "_fast" (one 16-byte
-/// vector of the state per lane, all loads issued first, a grid of (channel blocks, batch rows)).
+/// Sets `lanes` and `vectorized` and returns the launch shape for `p` and which kernel: the general
+/// one (any dstate, several passes per lane, flat rows) or the fast one (true: one 16-byte vector of
+/// the state per lane, all loads issued first, a grid of (channel blocks, batch rows)).
 /// `conv_width`: the fused step's, whose fast kernel gives each conv tap a lane.
-pub(crate) fn geometry(
-    p: &mut UpdateParams,
-    state_dtype: DType,
-    conv_width: Option<i64>,
-) -> (LaunchConfig, &'static str) {
+pub(crate) fn geometry(p: &mut UpdateParams, state_dtype: DType, conv_width: Option<i64>) -> (LaunchConfig, bool) {
     let per_lane = 16 / state_dtype.size_bytes();
     let chunks = (p.dstate + per_lane - 1) / per_lane;
     p.lanes = (chunks.max(1) as u64).next_power_of_two().min(32) as i32;
@@ -50,15 +47,11 @@ pub(crate) fn geometry(
     if p.vectorized != 0 && p.dstate == lanes * per_lane && fills_block && conv_width.is_none_or(|w| w <= lanes) {
         let channels_per_block = (block as i64 / lanes) as u64;
         let grid = ((p.dim as u64).div_ceil(channels_per_block), (p.batch as u64).min(MAX_GRID_Y), 1);
-        return (LaunchConfig { grid, block, shared_bytes: 0 }, "_fast");
+        return (LaunchConfig { grid, block, shared_bytes: 0 }, true);
     }
     let rows = (p.batch * p.dim) as u64;
     let rows_per_block = (*BLOCK / p.lanes as u32) as u64;
-    (LaunchConfig { grid: (rows.div_ceil(rows_per_block), 1, 1), block: *BLOCK, shared_bytes: 0 }, "")
-}
-
-pub(crate) fn type_suffix(types: &[DType]) -> String {
-    types.iter().map(|t| t.name()).collect::<Vec<_>>().join("_")
+    (LaunchConfig { grid: (rows.div_ceil(rows_per_block), 1, 1), block: *BLOCK, shared_bytes: 0 }, false)
 }
 
 pub fn update(u: &Update, stream: *mut c_void) -> Result<()> {
@@ -70,8 +63,8 @@ pub fn update(u: &Update, stream: *mut c_void) -> Result<()> {
     if p.batch * p.dim == 0 {
         return Ok(());
     }
-    let (config, form) = geometry(&mut p, u.state_dtype(), None);
-    let kernel = format!("selective_state_update_{}{form}", type_suffix(&[u.dtype(), u.bc_dtype(), u.state_dtype()]));
+    let (config, fast) = geometry(&mut p, u.state_dtype(), None);
+    let kernel = kernels::state_update([u.dtype(), u.bc_dtype(), u.state_dtype()], fast);
     // SAFETY: the parameters of a validated call (see `launch`).
-    unsafe { launch(stream, "selective_state_update", &kernel, config, &p) }
+    unsafe { launch(stream, kernels::STATE_UPDATE, &kernel, config, &p) }
 }

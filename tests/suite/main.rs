@@ -23,6 +23,7 @@ mod ffi_cuda_bwd;
 mod ffi_cuda_decode;
 mod ffi_cuda_ssd;
 mod headers;
+mod kernel_names;
 mod packed;
 mod params;
 mod reference;
