@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bindings" / "python"))
 
+import bench_selective_scan as fb  # noqa: E402  (timing)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -30,15 +30,8 @@ CPU_LENGTHS = [300, 8, 150, 62, 4, 240, 100, 160]  # 1024
 
 
 def timeit(fn, *args, reps=20, calls=5):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(calls):
-            r = fn(*args)
-        jax.block_until_ready(r)
-        times.append((time.perf_counter() - t) / calls)
-    return float(np.median(times)) * 1e6
+    """Median microseconds per call (after a warm-up call)."""
+    return fb.time_jax(fn, args, reps=reps, inner=calls) * 1e6
 
 
 def vjp(f, *args):

@@ -34,6 +34,7 @@ else:  # the longest-sequence runs need most of the memory, not XLA's default 75
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bindings" / "python"))
 
+import bench_selective_scan as fb  # noqa: E402  (timing)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -45,15 +46,8 @@ GIB = 1 << 30
 
 
 def timeit(fn, *args, reps=10, calls=3):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(calls):
-            r = fn(*args)
-        jax.block_until_ready(r)
-        times.append((time.perf_counter() - t) / calls)
-    return float(np.median(times)) * 1e3
+    """Median milliseconds per call (after a warm-up call)."""
+    return fb.time_jax(fn, args, reps=reps, inner=calls) * 1e3
 
 
 class Scan:
