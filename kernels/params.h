@@ -262,6 +262,30 @@ typedef struct SsdGlueParams {
   float *chunk_states_f32;
 } SsdGlueParams;
 
+// The tensor-core path's view of a call whose heads are wider than 64 ([`plan::mma_shape`]): its
+// per-head operands repeated for each head's split heads before the kernels (`expand`), and the
+// kernels' gradients of them summed back to heads after (`fold`), by kernels/ssd_glue.cu;
+// generated into kernels/params.h as `SsdSplitHeadsParams`. The arrays live in the workspace
+// ([`plan::SplitHeads`]); each is null where the call has no such operand or gradient.
+typedef struct SsdSplitHeadsParams {
+  // The caller's call (forward: `q.fwd` only).
+  struct SsdBwdParams q;
+  // Split heads per head: headdim / 64.
+  int64_t ways;
+  // (batch, seqlen, heads * ways) T.
+  void *dt;
+  // (heads * ways) f32 each; D only where it is per head (a (heads, headdim) D already has the
+  // split heads' layout).
+  float *A;
+  float *D;
+  float *dt_bias;
+  // Backward: the kernels' gradients of the four above, the same shapes.
+  void *ddt;
+  float *dA;
+  float *dD;
+  float *ddt_bias;
+} SsdSplitHeadsParams;
+
 // The tensor-core forward's sequence split; generated into kernels/params.h as `FwdSplit`. The main
 // kernel scans `n_parts` parts of `tiles_per_part` tiles; its first pass scans every part but the last
 // in `records_per_part` pieces, each recording its end state from zero and its decay.

@@ -1,6 +1,6 @@
-// Mamba-2 SSD backward on tensor cores (docs/ssd.md): bf16 / f16, headdim 64, dstate 64 or 128,
-// chunk_size a multiple of 64. src/ops/ssd/cuda.rs takes it where it applies. The kernels' entry
-// points; the kernels themselves are in
+// Mamba-2 SSD backward on tensor cores (docs/ssd.md): bf16 / f16, headdim 64 (wider heads come as
+// several heads of 64), dstate 64 or 128, chunk_size a multiple of 64. src/cuda/ssd.rs takes it
+// where it applies. The kernels' entry points; the kernels themselves are in
 //   ssd_bwd_mma.cuh     the main kernel (dx, dS, ddt and the parameters' partials; the math is there),
 //                       its block and shared state in ssd_bwd_block.cuh
 //   ssd_bwd_sums.cuh    the head sums: dB and dC summed over a group's heads a chunk at a time

@@ -1,8 +1,8 @@
-// Mamba-2 SSD forward on tensor cores (docs/ssd.md): bf16 / f16 inputs, headdim 64, dstate 64 or 128,
-// chunk_size a multiple of 64. src/ops/ssd/cuda.rs takes it where it applies; the generic path covers
-// the rest. Two kernels, one per instruction set: wgmma on sm_90a at dstate 128 (ssd_fwd_wgmma.cuh:
-// H100 8x2048x64x64x128 bf16 302 us with chunk states against 355) and mma.sync otherwise
-// (ssd_fwd_sync.cuh). Both scan one (batch, head) per block of 128 threads through 64-step tiles,
+// Mamba-2 SSD forward on tensor cores (docs/ssd.md): bf16 / f16 inputs, headdim 64 (wider heads come
+// as several heads of 64), dstate 64 or 128, chunk_size a multiple of 64. src/cuda/ssd.rs takes it
+// where it applies; the generic path covers the rest. Two kernels, one per instruction set: wgmma on
+// sm_90a at dstate 128 (ssd_fwd_wgmma.cuh: H100 8x2048x64x64x128 bf16 302 us with chunk states
+// against 355) and mma.sync otherwise (ssd_fwd_sync.cuh). Both scan one (batch, head) per block of 128 threads through 64-step tiles,
 // the state in accumulators.
 //
 // Sequence split (few batch x heads): pass 1 (`_local`) runs parts 0..n_parts-2, each in pieces

@@ -1,7 +1,8 @@
-// The generic CUDA path of the SSD op (src/ops/ssd/cuda.rs): SSD is run as a selective scan over
+// The generic CUDA path of the SSD op (src/cuda/ssd.rs): SSD is run as a selective scan over
 // dim = heads * headdim channels in the channel-last layout. These kernels expand the per-head
 // operands to per-channel ones before the scan, and fold the scan's per-channel gradients back to
-// heads after its backward. Every reduction sums in a fixed order (no atomics): the same inputs
+// heads after its backward; the split-heads pair does the same for the tensor-core path's heads
+// wider than 64. Every reduction sums in a fixed order (no atomics): the same inputs
 // give the same bits. Their parameters: SsdGlueParams (kernels/params.h).
 #include "ssd.cuh"
 
@@ -126,6 +127,53 @@ __device__ __forceinline__ void convert_chunk_states(const SsdGlueParams g) {
     }
 }
 
+// Heads wider than 64 run on the tensor-core kernels as `ways` heads of 64 each (plan::mma_shape in
+// src/ops/ssd/plan.rs). Before them, dt, A, D (per head) and dt_bias are repeated for each head's split
+// heads; after the backward, the split heads' gradients of those are summed back to their head, in a
+// fixed order.
+template <typename T>
+__device__ __forceinline__ void split_heads_expand(const SsdSplitHeadsParams s) {
+    const SsdParams& p = s.q.fwd;
+    const int64_t split_rows = p.batch * p.seqlen * p.heads * s.ways, split_heads = p.heads * s.ways;
+    const int64_t n = split_rows > split_heads ? split_rows : split_heads;
+    const T* dt = static_cast<const T*>(p.dt);
+    T* dt_split = static_cast<T*>(s.dt);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        if (i < split_rows) dt_split[i] = dt[i / s.ways];
+        if (i < split_heads) {
+            s.A[i] = p.A[i / s.ways];
+            if (s.D) s.D[i] = p.D[i / s.ways];
+            if (s.dt_bias) s.dt_bias[i] = p.dt_bias[i / s.ways];
+        }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void split_heads_fold(const SsdSplitHeadsParams s) {
+    const SsdParams& p = s.q.fwd;
+    const int64_t rows = p.batch * p.seqlen * p.heads, n = rows > p.heads ? rows : p.heads;
+    const T* ddt_split = static_cast<const T*>(s.ddt);
+    const auto fold = [&](const float* split, int64_t i) {
+        float sum = 0.f;
+        for (int64_t j = 0; j < s.ways; ++j) sum += split[i * s.ways + j];
+        return sum;
+    };
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        if (i < rows && ddt_split) {
+            float sum = 0.f;
+            for (int64_t j = 0; j < s.ways; ++j) sum += to_f32(ddt_split[i * s.ways + j]);
+            static_cast<T*>(s.q.ddt)[i] = from_f32<T>(sum);
+        }
+        if (i < p.heads) {
+            if (s.dA) s.q.dA[i] = fold(s.dA, i);
+            if (s.dD) s.q.dD[i] = fold(s.dD, i);
+            if (s.ddt_bias) s.q.ddt_bias[i] = fold(s.ddt_bias, i);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_expand_params(const SsdGlueParams g) {
     expand_params(g);
 }
@@ -150,6 +198,12 @@ SSD_GLUE(f16)
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_widen_chunk_states_##T(const SsdGlueParams g) { \
         convert_chunk_states<T, false>(g);                                                              \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_split_heads_expand_##T(const SsdSplitHeadsParams s) { \
+        split_heads_expand<T>(s);                                                                       \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_split_heads_fold_##T(const SsdSplitHeadsParams s) { \
+        split_heads_fold<T>(s);                                                                         \
     }
 SSD_GLUE_CHUNK_STATES(bf16)
 SSD_GLUE_CHUNK_STATES(f16)

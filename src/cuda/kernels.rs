@@ -87,8 +87,8 @@ pub fn conv(kernel: Conv, packed: bool, types: (DType, DType)) -> String {
 /// SSD's glue kernels that take no dtype.
 pub const SSD_GLUE_EXPAND_PARAMS: &str = "ssd_glue_expand_params";
 pub const SSD_GLUE_REDUCE_HEADS: &str = "ssd_glue_reduce_heads";
-/// SSD's glue kernels per dtype: `expand_delta` and `reduce_ddt` (any dtype), `round_chunk_states`
-/// and `widen_chunk_states` (bf16 and f16).
+/// SSD's glue kernels per dtype: `expand_delta` and `reduce_ddt` (any dtype), `round_chunk_states`,
+/// `widen_chunk_states`, `split_heads_expand` and `split_heads_fold` (bf16 and f16).
 pub fn ssd_glue(kernel: &str, dtype: DType) -> String {
     format!("ssd_glue_{kernel}_{}", dtype.name())
 }
@@ -182,6 +182,8 @@ pub fn all() -> Vec<(&'static str, String)> {
     for dtype in SSD_MMA_TYPES {
         names.push((SSD_GLUE, ssd_glue("round_chunk_states", dtype)));
         names.push((SSD_GLUE, ssd_glue("widen_chunk_states", dtype)));
+        names.push((SSD_GLUE, ssd_glue("split_heads_expand", dtype)));
+        names.push((SSD_GLUE, ssd_glue("split_heads_fold", dtype)));
         for kernel in ["chunk_scalars", "head_msum", "gate_grad", "reduce_bc"] {
             names.push((SSD_BWD, ssd_bwd_per_type(kernel, dtype)));
         }

@@ -1,5 +1,6 @@
 //! The CUDA target. [`fwd`] and [`bwd`] pick a path: the tensor-core kernels ([`super::ssd_mma`])
-//! where they apply (bf16/f16, headdim 64, dstate 64 or 128, chunks of whole 64-step tiles), else
+//! where they apply (bf16/f16, headdim a multiple of 64, dstate 64 or 128, chunks of whole 64-step
+//! tiles; a head wider than 64 runs as heads of 64, `plan::mma_shape`), else
 //! the generic one: expand the per-head operands to channels
 //! (kernels/ssd_glue.cu), run the selective scan's CUDA kernels, and (backward) sum its per-channel
 //! gradients back to heads. Scratch comes from the workspace result ([`crate::ops::ssd::plan`]).
@@ -14,7 +15,9 @@ use super::ssd_mma;
 use super::{launch, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::ops::ssd::plan::{self, Layout};
-use crate::ops::ssd::{scan_bwd, scan_fwd, GlueParams, Scratch, Ssd, SsdBwd, SsdBwdParams, SsdParams};
+use crate::ops::ssd::{
+    scan_bwd, scan_fwd, GlueParams, Scratch, SplitHeadsParams, Ssd, SsdBwd, SsdBwdParams, SsdParams,
+};
 use crate::ops::{selective_scan, Platform};
 use crate::DType;
 use std::ffi::c_void;
@@ -39,7 +42,15 @@ pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
         ));
     }
     let base = workspace_at("ssd_fwd", p, plan::fwd_workspace_bytes(&shape), "xla_ssm_ssd_fwd_workspace_bytes")?;
-    ssd_mma::fwd(ssd, &shape, base, plan::fwd_workspace_bytes(&shape), stream)
+    let (mma_shape, layout) = (plan::mma_shape(&shape), plan::SplitHeads::new(&shape, false));
+    let kernels_at = base.wrapping_add(layout.bytes as usize);
+    let kernels_bytes = plan::mma_fwd_bytes(&mma_shape);
+    if layout.ways == 1 {
+        return ssd_mma::fwd(ssd, &mma_shape, kernels_at, kernels_bytes, stream);
+    }
+    let split = SplitHeadsParams::carve(&ssd.as_bwd(), &layout, base, false);
+    split_heads("expand", &split, ssd.dtype(), stream)?;
+    ssd_mma::fwd(&ssd.split_heads(&split), &mma_shape, kernels_at, kernels_bytes, stream)
 }
 
 /// The backward on `stream`.
@@ -55,9 +66,27 @@ pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
              states 8-byte aligned (XLA's buffers always are)",
         ));
     }
-    let needed = plan::mma_bwd_layout(&shape).bytes;
-    let base = workspace_at("ssd_bwd", p, needed, "xla_ssm_ssd_bwd_workspace_bytes")?;
-    ssd_mma::bwd(bwd, &shape, base, stream)
+    let base = workspace_at("ssd_bwd", p, plan::bwd_workspace_bytes(&shape), "xla_ssm_ssd_bwd_workspace_bytes")?;
+    let (mma_shape, layout) = (plan::mma_shape(&shape), plan::SplitHeads::new(&shape, true));
+    let kernels_at = base.wrapping_add(layout.bytes as usize);
+    if layout.ways == 1 {
+        return ssd_mma::bwd(bwd, &mma_shape, kernels_at, stream);
+    }
+    let split = SplitHeadsParams::carve(bwd, &layout, base, true);
+    split_heads("expand", &split, bwd.dtype(), stream)?;
+    ssd_mma::bwd(&bwd.split_heads(&split), &mma_shape, kernels_at, stream)?;
+    split_heads("fold", &split, bwd.dtype(), stream)
+}
+
+/// A split-heads kernel (kernels/ssd_glue.cu): `expand` repeats the per-head operands for the split
+/// heads, `fold` sums the split heads' gradients back to heads; a thread per (batch, step, head).
+fn split_heads(kernel: &str, split: &SplitHeadsParams, dtype: DType, stream: *mut c_void) -> Result<()> {
+    let p = &split.q.fwd;
+    let items = if kernel == "expand" { p.rows() * split.ways } else { p.rows() };
+    let config = grid_stride(items.max(p.heads * split.ways));
+    // SAFETY: the parameters of a validated call (see `launch`); the arrays are the workspace's
+    // (plan::SplitHeads), which `workspace_at` checked holds them.
+    unsafe { launch(stream, MODULE, &kernels::ssd_glue(&format!("split_heads_{kernel}"), dtype), config, split) }
 }
 
 fn shape(p: &SsdParams, dtype: DType) -> plan::Shape {

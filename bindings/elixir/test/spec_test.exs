@@ -566,6 +566,16 @@ defmodule XlaSsm.SpecTest do
 
       assert Workspace.ssd_bwd_bytes(8, 2048, 64, 64, 128, 1, 256, {:bf, 16}) <
                Workspace.ssd_bwd_bytes(8, 2048, 64, 48, 128, 1, 256, {:bf, 16}) / 10
+
+      # Heads of 128 and 192 as 64-wide split heads: dt, A, D and dt_bias per split head ahead of
+      # the kernels' arrays (the C API's figures, tests/suite/ffi_cpu_ssd.rs).
+      assert Workspace.ssd_fwd_bytes(8, 2048, 32, 128, 128, 1, 256, {:bf, 16}) ==
+               8 * 2048 * 64 * 2 + 3 * 256 + 256
+
+      assert Workspace.ssd_bwd_bytes(8, 2048, 32, 128, 128, 1, 256, {:bf, 16}) == 310_515_456
+      assert Workspace.ssd_fwd_bytes(1, 16_384, 32, 128, 128, 1, 256, {:bf, 16}) == 27_267_072
+      assert Workspace.ssd_fwd_bytes(2, 333, 3, 192, 64, 3, 64, {:bf, 16}) == 1_487_976
+      assert Workspace.ssd_bwd_bytes(2, 333, 3, 192, 64, 3, 64, {:bf, 16}) == 3_831_296
     end
 
     test "chunk_states type" do
@@ -573,6 +583,8 @@ defmodule XlaSsm.SpecTest do
       assert Workspace.ssd_chunk_states_type(64, 128, 256, {:f, 16}) == {:f, 16}
       assert Workspace.ssd_chunk_states_type(64, 64, 32, {:bf, 16}) == {:f, 32}
       assert Workspace.ssd_chunk_states_type(48, 64, 64, {:bf, 16}) == {:f, 32}
+      assert Workspace.ssd_chunk_states_type(128, 128, 256, {:bf, 16}) == {:bf, 16}
+      assert Workspace.ssd_chunk_states_type(96, 128, 256, {:bf, 16}) == {:f, 32}
       assert Workspace.ssd_chunk_states_type(64, 64, 64, {:f, 32}) == {:f, 32}
     end
   end

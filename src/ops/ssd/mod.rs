@@ -208,6 +208,56 @@ pub struct BwdMmaParams {
     pub dc_part: *mut c_void,
 }
 
+/// The tensor-core path's view of a call whose heads are wider than 64 ([`plan::mma_shape`]): its
+/// per-head operands repeated for each head's split heads before the kernels (`expand`), and the
+/// kernels' gradients of them summed back to heads after (`fold`), by kernels/ssd_glue.cu;
+/// generated into kernels/params.h as `SsdSplitHeadsParams`. The arrays live in the workspace
+/// ([`plan::SplitHeads`]); each is null where the call has no such operand or gradient.
+/// cbindgen:field-names=[q, ways, dt, A, D, dt_bias, ddt, dA, dD, ddt_bias]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct SplitHeadsParams {
+    /// The caller's call (forward: `q.fwd` only).
+    pub q: SsdBwdParams,
+    /// Split heads per head: headdim / 64.
+    pub ways: i64,
+    /// (batch, seqlen, heads * ways) T.
+    pub dt: *mut c_void,
+    /// (heads * ways) f32 each; D only where it is per head (a (heads, headdim) D already has the
+    /// split heads' layout).
+    pub a: *mut f32,
+    pub d: *mut f32,
+    pub dt_bias: *mut f32,
+    /// Backward: the kernels' gradients of the four above, the same shapes.
+    pub ddt: *mut c_void,
+    pub da: *mut f32,
+    pub dd: *mut f32,
+    pub ddt_bias: *mut f32,
+}
+
+impl SplitHeadsParams {
+    /// The arrays of `layout` in the workspace at `base` (its aligned start), for `bwd` (forward: no
+    /// gradients).
+    pub fn carve(bwd: &SsdBwd, layout: &plan::SplitHeads, base: *mut u8, backward: bool) -> SplitHeadsParams {
+        let q = &bwd.params;
+        let p = &q.fwd;
+        let at = |on: bool, offset: i64| if on { base.wrapping_add(offset as usize) } else { std::ptr::null_mut() };
+        let d_per_head = !p.d.is_null() && p.d_per_channel == 0;
+        SplitHeadsParams {
+            q: *q,
+            ways: layout.ways,
+            dt: at(true, layout.dt) as *mut c_void,
+            a: at(true, layout.a) as *mut f32,
+            d: at(d_per_head, layout.d) as *mut f32,
+            dt_bias: at(!p.dt_bias.is_null(), layout.dt_bias) as *mut f32,
+            ddt: at(backward && !q.ddt.is_null(), layout.ddt) as *mut c_void,
+            da: at(backward && !q.da.is_null(), layout.da) as *mut f32,
+            dd: at(backward && d_per_head && !q.dd.is_null(), layout.dd) as *mut f32,
+            ddt_bias: at(backward && !q.ddt_bias.is_null(), layout.ddt_bias) as *mut f32,
+        }
+    }
+}
+
 impl SsdBwdParams {
     /// A forward's parameters with no cotangents or gradients (what kernels shared by both passes
     /// see of a forward).
@@ -426,7 +476,49 @@ impl SsdBwd {
     }
 }
 
+impl SsdBwd {
+    /// This call as `split.ways` heads of headdim / ways per head, reading the split heads' operands
+    /// and writing their gradients where `split` says (its `fold` then sums them to heads). The
+    /// other arrays keep their bytes: (heads, headdim) rows are (heads * ways, headdim / ways) rows,
+    /// which is also why a (heads, headdim) D and its gradient stay as they are.
+    pub fn split_heads(&self, split: &SplitHeadsParams) -> SsdBwd {
+        let q = &self.params;
+        let p = &q.fwd;
+        let or_callers = |split: *mut f32, callers: *mut f32| if split.is_null() { callers } else { split };
+        let fwd = SsdParams {
+            dt: split.dt,
+            a: split.a,
+            d: or_callers(split.d, p.d as *mut f32),
+            dt_bias: split.dt_bias,
+            heads: p.heads * split.ways,
+            headdim: p.headdim / split.ways,
+            ..*p
+        };
+        let params = SsdBwdParams {
+            fwd,
+            ddt: split.ddt,
+            da: split.da,
+            dd: or_callers(split.dd, q.dd),
+            ddt_bias: split.ddt_bias,
+            ..*q
+        };
+        SsdBwd { params, ..*self }
+    }
+}
+
 impl Ssd {
+    /// The forward as [`SsdBwd::split_heads`] views it.
+    pub fn split_heads(&self, split: &SplitHeadsParams) -> Ssd {
+        Ssd { params: self.as_bwd().split_heads(split).params.fwd, ..*self }
+    }
+
+    /// The call as a backward with no cotangents or gradients (what kernels shared by both passes
+    /// see of a forward).
+    pub fn as_bwd(&self) -> SsdBwd {
+        let params = SsdBwdParams::forward_only(self.params);
+        SsdBwd { params, dtype: self.dtype, present: self.present, has_dfinal_states: false }
+    }
+
     /// The same call writing its chunk states to `chunk_states` instead (the CPU's f32 scratch, when
     /// the caller's are in the inputs' dtype).
     pub fn with_chunk_states(&self, chunk_states: *mut c_void) -> Ssd {
@@ -677,8 +769,8 @@ fn expect_chunk_states(op: &str, kind: &str, t: &Tensor, k: &Checked) -> Result<
     let why = if want == DType::F32 {
         "f32 unless the tensor-core kernels run"
     } else {
-        "the inputs' dtype where the tensor-core kernels run (bf16/f16, headdim 64, dstate 64 or 128, \
-         chunk_size 64, 128 or 256)"
+        "the inputs' dtype where the tensor-core kernels run (bf16/f16, headdim a multiple of 64, \
+         dstate 64 or 128, chunk_size 64, 128 or 256)"
     };
     Err(Error::invalid(format!(
         "{op}: {kind} `chunk_states`: expected dtype {} ({why}; xla_ssm_ssd_chunk_states_dtype), got {}",

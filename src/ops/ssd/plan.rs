@@ -177,15 +177,28 @@ fn sane(s: &Shape) -> Option<Shape> {
 }
 
 /// Bytes of workspace the CUDA forward needs: the tensor-core kernel's where it applies (it needs
-/// 16-byte aligned x, B and C there), else the generic path's.
+/// 16-byte aligned x, B and C there; heads wider than 64 add their [`SplitHeads`] arrays), else the
+/// generic path's.
 pub fn fwd_workspace_bytes(s: &Shape) -> i64 {
-    sane(s).map_or(0, |s| if mma_applies(&s) { mma_fwd_bytes(&s) } else { fwd_layout(&s).bytes })
+    sane(s).map_or(0, |s| {
+        if mma_applies(&s) {
+            SplitHeads::new(&s, false).total(mma_fwd_bytes(&mma_shape(&s)))
+        } else {
+            fwd_layout(&s).bytes
+        }
+    })
 }
 
 /// Bytes of workspace the CUDA backward needs: the tensor-core kernels' where they apply (with or
 /// without z), else the generic path's, which is far larger (its selective scan's per-channel scratch).
 pub fn bwd_workspace_bytes(s: &Shape) -> i64 {
-    sane(s).map_or(0, |s| if mma_applies(&s) { mma_bwd_layout(&s).bytes } else { bwd_layout(&s).bytes })
+    sane(s).map_or(0, |s| {
+        if mma_applies(&s) {
+            SplitHeads::new(&s, true).total(mma_bwd_layout(&mma_shape(&s)).bytes)
+        } else {
+            bwd_layout(&s).bytes
+        }
+    })
 }
 
 /// Bytes of workspace the CUDA forward needs for a packed call (batch 1): the generic path's, which
@@ -201,18 +214,80 @@ pub fn packed_bwd_workspace_bytes(s: &Shape) -> i64 {
 
 /// Steps per tile of the tensor-core forward (kernels/ssd_fwd.cu).
 pub const MMA_TILE: i64 = 64;
+/// The tensor-core kernels' headdim (`kP`): a head of a multiple of it runs as that many heads.
+pub const MMA_HEADDIM: i64 = 64;
 /// Blocks the split aims for: two per SM of a 132-SM H100.
 const MMA_WAVE_BLOCKS: i64 = 264;
 
 /// Whether the tensor-core kernels take a call of this shape: 2-byte elements (bf16, f16),
-/// headdim 64, dstate 64 or 128, chunks of whole tiles (its chunk states are written per tile).
-/// Depends on nothing else (not on batch, seqlen, heads or groups, which sharding splits).
+/// headdim a multiple of 64, dstate 64 or 128, chunks of whole tiles (its chunk states are written
+/// per tile). Depends on nothing else (not on batch, seqlen, heads or groups, which sharding splits).
 pub fn mma_applies(s: &Shape) -> bool {
     s.elem_bytes == 2
-        && s.headdim == 64
+        && s.headdim > 0
+        && s.headdim % MMA_HEADDIM == 0
         && (s.dstate == 64 || s.dstate == 128)
         && s.chunk_size % MMA_TILE == 0
         && s.chunk_size <= MMA_MAX_CHUNK
+}
+
+/// The shape the tensor-core kernels run: each head as `headdim / 64` heads of 64 channels. A
+/// head's channels are independent given its dt, A, B and C, and x, z, y, the states and their
+/// gradients keep their bytes ((heads, headdim) = (heads * ways, 64)); only the per-head operands
+/// are repeated ([`SplitHeads`]).
+pub fn mma_shape(s: &Shape) -> Shape {
+    let ways = (s.headdim / MMA_HEADDIM).max(1);
+    Shape { heads: s.heads * ways, headdim: s.headdim.min(MMA_HEADDIM), ..*s }
+}
+
+/// Where a call whose heads are wider than 64 keeps its per-head operands repeated for the split
+/// heads of [`mma_shape`] (kernels/ssd_glue.cu), at the workspace's start; the tensor-core
+/// kernels' arrays follow at `bytes`. All empty (bytes 0) for headdim 64.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SplitHeads {
+    /// Split heads per head: headdim / 64.
+    pub ways: i64,
+    /// (batch, seqlen, heads * ways) T: dt per split head.
+    pub dt: i64,
+    /// (heads * ways) f32 each: A, D (per head) and dt_bias per split head.
+    pub a: i64,
+    pub d: i64,
+    pub dt_bias: i64,
+    /// Backward: (batch, seqlen, heads * ways) T and (heads * ways) f32 each: the kernels' gradients
+    /// of the split heads' dt, A, D and dt_bias, which the fold sums over each head's split heads.
+    pub ddt: i64,
+    pub da: i64,
+    pub dd: i64,
+    pub ddt_bias: i64,
+    /// The arrays' extent, a multiple of ALIGN.
+    pub bytes: i64,
+}
+
+impl SplitHeads {
+    pub fn new(s: &Shape, backward: bool) -> SplitHeads {
+        let ways = (s.headdim / MMA_HEADDIM).max(1);
+        if ways == 1 {
+            return SplitHeads { ways, ..SplitHeads::default() };
+        }
+        let per_step = s.batch * s.seqlen * s.heads * ways * s.elem_bytes;
+        let per_head = s.heads * ways * 4;
+        let backward_only = |bytes: i64| if backward { bytes } else { 0 };
+        let mut c = Carver::default();
+        let (dt, a, d, dt_bias) = (c.take(per_step), c.take(per_head), c.take(per_head), c.take(per_head));
+        let (ddt, da) = (c.take(backward_only(per_step)), c.take(backward_only(per_head)));
+        let (dd, ddt_bias) = (c.take(backward_only(per_head)), c.take(backward_only(per_head)));
+        SplitHeads { ways, dt, a, d, dt_bias, ddt, da, dd, ddt_bias, bytes: c.next }
+    }
+
+    /// The workspace a host passes for these arrays followed by `kernels` bytes (which keep their own
+    /// slack for an unaligned start, or are 0).
+    fn total(&self, kernels: i64) -> i64 {
+        match (self.bytes, kernels) {
+            (0, _) => kernels,
+            (arrays, 0) => arrays + ALIGN,
+            (arrays, kernels) => arrays + kernels,
+        }
+    }
 }
 
 /// The element type of `chunk_states` (both targets, forward and backward): `dtype` (T) where the
@@ -329,7 +404,7 @@ fn local_records_per_part(bh: i64, n_parts: i64, tiles_per_part: i64, pieces: Pi
 }
 
 /// The tensor-core forward's workspace: the split's records, for whichever rule the GPU takes.
-fn mma_fwd_bytes(s: &Shape) -> i64 {
+pub fn mma_fwd_bytes(s: &Shape) -> i64 {
     let records = [Pieces::FewestTileTimes, Pieces::OneWave]
         .into_iter()
         .map(|pieces| mma_fwd_split(s, i64::MAX, pieces).records())
@@ -623,6 +698,50 @@ mod tests {
         let short = Shape { heads: 1, ..mamba2(1, 3 * 256) };
         let l = mma_bwd_layout(&short);
         assert_eq!((l.n_parts, l.chunks_per_part, l.records_per_part), (3, 1, 4));
+    }
+
+    #[test]
+    fn wide_heads_run_as_heads_of_64() {
+        let wide = Shape { heads: 32, headdim: 128, ..mamba2(8, 2048) };
+        assert!(mma_applies(&wide) && mma_applies(&Shape { headdim: 256, ..wide }));
+        assert!(!mma_applies(&Shape { headdim: 96, ..wide }) && !mma_applies(&Shape { headdim: 0, ..wide }));
+        let m = mma_shape(&wide);
+        assert_eq!((m.heads, m.headdim, m.batch, m.groups), (64, 64, 8, 1));
+        assert_eq!((mma_shape(&mamba2(8, 2048)).heads, mma_shape(&mamba2(8, 2048)).headdim), (64, 64));
+        assert_eq!(SplitHeads::new(&mamba2(8, 2048), true), SplitHeads { ways: 1, ..SplitHeads::default() });
+
+        let (fwd, bwd) = (SplitHeads::new(&wide, false), SplitHeads::new(&wide, true));
+        assert_eq!((fwd.ways, bwd.ways), (2, 2));
+        let (per_step, per_head) = (8 * 2048 * 64 * 2, 64 * 4);
+        for (l, backward) in [(fwd, false), (bwd, true)] {
+            let grads = if backward { 1 } else { 0 };
+            let spans = [
+                (l.dt, per_step),
+                (l.a, per_head),
+                (l.d, per_head),
+                (l.dt_bias, per_head),
+                (l.ddt, grads * per_step),
+                (l.da, grads * per_head),
+                (l.dd, grads * per_head),
+                (l.ddt_bias, grads * per_head),
+            ];
+            for (i, &(at, len)) in spans.iter().enumerate() {
+                assert_eq!(at % ALIGN, 0);
+                assert!(at + len <= l.bytes, "array {i} ends past the arrays");
+                for &(other, other_len) in &spans[i + 1..] {
+                    assert!(len == 0 || other_len == 0 || at + len <= other || other + other_len <= at);
+                }
+            }
+            assert_eq!(l.bytes % ALIGN, 0);
+        }
+        // The kernels' arrays follow the split heads' (no records at 8 x 2048: only the slack).
+        assert_eq!(mma_fwd_bytes(&m), 0);
+        assert_eq!(fwd_workspace_bytes(&wide), fwd.bytes + ALIGN);
+        assert_eq!(bwd_workspace_bytes(&wide), bwd.bytes + mma_bwd_layout(&m).bytes);
+        let long = Shape { batch: 1, seqlen: 16384, ..wide };
+        let records = mma_fwd_bytes(&mma_shape(&long));
+        assert!(records > 0);
+        assert_eq!(fwd_workspace_bytes(&long), SplitHeads::new(&long, false).bytes + records);
     }
 
     /// The workspace functions size for the path that runs: where the tensor-core kernels apply the

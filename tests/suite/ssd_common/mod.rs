@@ -150,7 +150,8 @@ impl SsdCase {
     /// products take operands in the inputs' dtype, so the f32 states carry its rounding.
     pub fn tensor_cores(&self) -> bool {
         self.dtype != Dt::F32
-            && self.headdim == 64
+            && self.headdim > 0
+            && self.headdim.is_multiple_of(64)
             && matches!(self.dstate, 64 | 128)
             && self.chunk_size.is_multiple_of(64)
     }

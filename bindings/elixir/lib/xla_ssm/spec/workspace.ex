@@ -27,6 +27,7 @@ defmodule XlaSsm.Spec.Workspace do
   # ssd/plan.rs
   @align 256
   @mma_tile 64
+  @mma_headdim 64
   @mma_wave_blocks 264
   @mma_max_chunk 256
   @msum_max_split 2
@@ -155,7 +156,7 @@ defmodule XlaSsm.Spec.Workspace do
   def ssd_fwd_bytes(batch, seqlen, heads, headdim, dstate, groups, chunk_size, type) do
     case ssd_shape(batch, seqlen, heads, headdim, dstate, groups, chunk_size, type) do
       nil -> 0
-      s -> if mma_applies?(s), do: mma_fwd_bytes(s), else: generic_fwd_bytes(s)
+      s -> if mma_applies?(s), do: with_split_heads(s, false, mma_fwd_bytes(mma_shape(s))), else: generic_fwd_bytes(s)
     end
   end
 
@@ -167,7 +168,7 @@ defmodule XlaSsm.Spec.Workspace do
   def ssd_bwd_bytes(batch, seqlen, heads, headdim, dstate, groups, chunk_size, type) do
     case ssd_shape(batch, seqlen, heads, headdim, dstate, groups, chunk_size, type) do
       nil -> 0
-      s -> if mma_applies?(s), do: mma_bwd_bytes(s), else: generic_bwd_bytes(s)
+      s -> if mma_applies?(s), do: with_split_heads(s, true, mma_bwd_bytes(mma_shape(s))), else: generic_bwd_bytes(s)
     end
   end
 
@@ -199,8 +200,31 @@ defmodule XlaSsm.Spec.Workspace do
     do: raise(ArgumentError, "expected an f32, bf16 or f16 type, got #{inspect(other)}")
 
   defp mma_applies?(s) do
-    s.elem_bytes == 2 and s.headdim == 64 and s.dstate in [64, 128] and
-      rem(s.chunk_size, @mma_tile) == 0 and s.chunk_size <= @mma_max_chunk
+    s.elem_bytes == 2 and s.headdim > 0 and rem(s.headdim, @mma_headdim) == 0 and
+      s.dstate in [64, 128] and rem(s.chunk_size, @mma_tile) == 0 and s.chunk_size <= @mma_max_chunk
+  end
+
+  # plan::mma_shape: each head as headdim / 64 heads of 64.
+  defp mma_shape(s) do
+    ways = max(div(s.headdim, @mma_headdim), 1)
+    %{s | heads: s.heads * ways, headdim: min(s.headdim, @mma_headdim)}
+  end
+
+  # plan::SplitHeads::new(s, backward).total(kernels): the split heads' dt, A, D and dt_bias (and, in
+  # the backward, their gradients) ahead of the kernels' `kernels` bytes; nothing for headdim 64.
+  defp with_split_heads(s, backward, kernels) do
+    ways = max(div(s.headdim, @mma_headdim), 1)
+    per_step = s.batch * s.seqlen * s.heads * ways * s.elem_bytes
+    per_head = s.heads * ways * 4
+    arrays = [per_step, per_head, per_head, per_head]
+    arrays = if backward, do: arrays ++ arrays, else: arrays
+    bytes = arrays |> Enum.map(&(ceil_div(&1, @align) * @align)) |> Enum.sum()
+
+    cond do
+      ways == 1 -> kernels
+      kernels == 0 -> bytes + @align
+      true -> bytes + kernels
+    end
   end
 
   # plan::fwd_layout(..).bytes: per-channel scan inputs, then the scan's split workspace.
