@@ -286,6 +286,18 @@ typedef struct SsdSplitHeadsParams {
   float *ddt_bias;
 } SsdSplitHeadsParams;
 
+// A copy of `rows` rows of `from` elements into rows of `to` elements (kernels/ssd_glue.cu,
+// `pad_rows`): the first min(from, to) of each row, then zeros to the end of a wider row. Widens
+// the state-sized arrays to the tensor-core kernels' dstate and narrows their results back
+// ([`plan::PadState`]); generated into kernels/params.h as `SsdPadRows`.
+typedef struct SsdPadRows {
+  const void *src;
+  void *dst;
+  int64_t rows;
+  int64_t from;
+  int64_t to;
+} SsdPadRows;
+
 // The tensor-core forward's sequence split; generated into kernels/params.h as `FwdSplit`. The main
 // kernel scans `n_parts` parts of `tiles_per_part` tiles; its first pass scans every part but the last
 // in `records_per_part` pieces, each recording its end state from zero and its decay.

@@ -174,6 +174,25 @@ __device__ __forceinline__ void split_heads_fold(const SsdSplitHeadsParams s) {
     }
 }
 
+// A state-sized array widened to the tensor-core kernels' dstate, or a result narrowed back
+// (plan::PadState): each of `rows` rows, the first min(from, to) elements copied, zeros after.
+template <typename E>
+__device__ __forceinline__ void pad_rows(const SsdPadRows a) {
+    const E* src = static_cast<const E*>(a.src);
+    E* dst = static_cast<E*>(a.dst);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < a.rows * a.to;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = i / a.to, col = i % a.to;
+        dst[i] = col < a.from ? src[row * a.from + col] : E(0);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_pad_rows_2(const SsdPadRows a) {
+    pad_rows<uint16_t>(a);
+}
+extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_pad_rows_4(const SsdPadRows a) {
+    pad_rows<uint32_t>(a);
+}
 extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_expand_params(const SsdGlueParams g) {
     expand_params(g);
 }

@@ -1,7 +1,7 @@
 //! The CUDA target. [`fwd`] and [`bwd`] pick a path: the tensor-core kernels ([`super::ssd_mma`])
-//! where they apply (bf16/f16, headdim a multiple of 64, dstate 64 or 128, chunks of whole 64-step
-//! tiles; a head wider than 64 runs as heads of 64, `plan::mma_shape`), else
-//! the generic one: expand the per-head operands to channels
+//! where they apply (bf16/f16, headdim a multiple of 64, dstate 1 to 128, chunks of whole 64-step
+//! tiles; a head wider than 64 runs as heads of 64 and a state narrower than the kernels' 64 or 128
+//! is widened, `plan::mma_shape`), else the generic one: expand the per-head operands to channels
 //! (kernels/ssd_glue.cu), run the selective scan's CUDA kernels, and (backward) sum its per-channel
 //! gradients back to heads. Scratch comes from the workspace result ([`crate::ops::ssd::plan`]).
 //!
@@ -16,7 +16,8 @@ use super::{launch, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::ops::ssd::plan::{self, Layout};
 use crate::ops::ssd::{
-    scan_bwd, scan_fwd, GlueParams, Scratch, SplitHeadsParams, Ssd, SsdBwd, SsdBwdParams, SsdParams,
+    scan_bwd, scan_fwd, GlueParams, PadRows, PaddedState, Scratch, SplitHeadsParams, Ssd, SsdBwd, SsdBwdParams,
+    SsdParams,
 };
 use crate::ops::{selective_scan, Platform};
 use crate::DType;
@@ -41,16 +42,25 @@ pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
              8-byte aligned (XLA's buffers always are)",
         ));
     }
-    let base = workspace_at("ssd_fwd", p, plan::fwd_workspace_bytes(&shape), "xla_ssm_ssd_fwd_workspace_bytes")?;
-    let (mma_shape, layout) = (plan::mma_shape(&shape), plan::SplitHeads::new(&shape, false));
-    let kernels_at = base.wrapping_add(layout.bytes as usize);
-    let kernels_bytes = plan::mma_fwd_bytes(&mma_shape);
-    if layout.ways == 1 {
-        return ssd_mma::fwd(ssd, &mma_shape, kernels_at, kernels_bytes, stream);
+    let ws = plan::MmaWorkspace::new(&shape, false);
+    let base = workspace_at("ssd_fwd", p, ws.bytes, "xla_ssm_ssd_fwd_workspace_bytes")?;
+    let at = |offset: i64| base.wrapping_add(offset as usize);
+    let (mut run, dtype) = (*ssd, ssd.dtype());
+    let pad = (ws.pad.dstate != p.dstate).then(|| PaddedState::carve(&ssd.as_bwd(), &ws.pad, base));
+    if let Some(pad) = &pad {
+        widen(&ssd.as_bwd().params(), pad, dtype, false, stream)?;
+        run = run.pad_state(pad);
     }
-    let split = SplitHeadsParams::carve(&ssd.as_bwd(), &layout, base, false);
-    split_heads("expand", &split, ssd.dtype(), stream)?;
-    ssd_mma::fwd(&ssd.split_heads(&split), &mma_shape, kernels_at, kernels_bytes, stream)
+    if ws.split.ways > 1 {
+        let split = SplitHeadsParams::carve(&run.as_bwd(), &ws.split, at(ws.split_at), false);
+        split_heads("expand", &split, dtype, stream)?;
+        run = run.split_heads(&split);
+    }
+    ssd_mma::fwd(&run, &plan::mma_shape(&shape), at(ws.kernels_at), ws.kernels_bytes, stream)?;
+    match &pad {
+        Some(pad) => narrow(&ssd.as_bwd().params(), pad, dtype, false, stream),
+        None => Ok(()),
+    }
 }
 
 /// The backward on `stream`.
@@ -66,16 +76,80 @@ pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
              states 8-byte aligned (XLA's buffers always are)",
         ));
     }
-    let base = workspace_at("ssd_bwd", p, plan::bwd_workspace_bytes(&shape), "xla_ssm_ssd_bwd_workspace_bytes")?;
-    let (mma_shape, layout) = (plan::mma_shape(&shape), plan::SplitHeads::new(&shape, true));
-    let kernels_at = base.wrapping_add(layout.bytes as usize);
-    if layout.ways == 1 {
-        return ssd_mma::bwd(bwd, &mma_shape, kernels_at, stream);
+    let ws = plan::MmaWorkspace::new(&shape, true);
+    let base = workspace_at("ssd_bwd", p, ws.bytes, "xla_ssm_ssd_bwd_workspace_bytes")?;
+    let at = |offset: i64| base.wrapping_add(offset as usize);
+    let (mut run, dtype) = (*bwd, bwd.dtype());
+    let pad = (ws.pad.dstate != p.dstate).then(|| PaddedState::carve(bwd, &ws.pad, base));
+    if let Some(pad) = &pad {
+        widen(&bwd.params(), pad, dtype, true, stream)?;
+        run = run.pad_state(pad);
     }
-    let split = SplitHeadsParams::carve(bwd, &layout, base, true);
-    split_heads("expand", &split, bwd.dtype(), stream)?;
-    ssd_mma::bwd(&bwd.split_heads(&split), &mma_shape, kernels_at, stream)?;
-    split_heads("fold", &split, bwd.dtype(), stream)
+    let split = (ws.split.ways > 1).then(|| SplitHeadsParams::carve(&run, &ws.split, at(ws.split_at), true));
+    if let Some(split) = &split {
+        split_heads("expand", split, dtype, stream)?;
+        run = run.split_heads(split);
+    }
+    ssd_mma::bwd(&run, &plan::mma_shape(&shape), at(ws.kernels_at), stream)?;
+    if let Some(split) = &split {
+        split_heads("fold", split, dtype, stream)?;
+    }
+    match &pad {
+        Some(pad) => narrow(&bwd.params(), pad, dtype, true, stream),
+        None => Ok(()),
+    }
+}
+
+/// The call's state-sized inputs widened into `pad` (zero columns): B, C and the initial states, and
+/// in the backward the forward's chunk states and dfinal_states.
+fn widen(q: &SsdBwdParams, pad: &PaddedState, dtype: DType, backward: bool, stream: *mut c_void) -> Result<()> {
+    let p = &q.fwd;
+    let (t, n, to) = (dtype.size_bytes(), p.dstate, pad.dstate);
+    let (bc_rows, state_rows) = (p.batch * p.seqlen * p.groups, p.batch * p.heads * p.headdim);
+    copy_rows(p.b, pad.b, bc_rows, n, to, t, stream)?;
+    copy_rows(p.c, pad.c, bc_rows, n, to, t, stream)?;
+    copy_rows(p.initial_states.cast(), pad.initial_states.cast(), state_rows, n, to, 4, stream)?;
+    if backward {
+        copy_rows(p.chunk_states, pad.chunk_states, state_rows * p.n_chunks(), n, to, t, stream)?;
+        copy_rows(q.dfinal_states.cast(), pad.dfinal_states.cast(), state_rows, n, to, 4, stream)?;
+    }
+    Ok(())
+}
+
+/// The kernels' state-sized results narrowed from `pad` into the call's: the final and chunk states,
+/// or in the backward dB, dC and dinitial_states.
+fn narrow(q: &SsdBwdParams, pad: &PaddedState, dtype: DType, backward: bool, stream: *mut c_void) -> Result<()> {
+    let p = &q.fwd;
+    let (t, n, from) = (dtype.size_bytes(), p.dstate, pad.dstate);
+    let (bc_rows, state_rows) = (p.batch * p.seqlen * p.groups, p.batch * p.heads * p.headdim);
+    if backward {
+        copy_rows(pad.db, q.db, bc_rows, from, n, t, stream)?;
+        copy_rows(pad.dc, q.dc, bc_rows, from, n, t, stream)?;
+        copy_rows(pad.dinitial_states.cast(), q.dinitial_states.cast(), state_rows, from, n, 4, stream)
+    } else {
+        copy_rows(pad.final_states.cast(), p.final_states.cast(), state_rows, from, n, 4, stream)?;
+        copy_rows(pad.chunk_states, p.chunk_states, state_rows * p.n_chunks(), from, n, t, stream)
+    }
+}
+
+/// `rows` rows of `from` elements of `elem_bytes` at `src` into rows of `to` at `dst` (zeros past
+/// `from`); nothing where either is null.
+fn copy_rows(
+    src: *const c_void,
+    dst: *mut c_void,
+    rows: i64,
+    from: i64,
+    to: i64,
+    elem_bytes: i64,
+    stream: *mut c_void,
+) -> Result<()> {
+    if src.is_null() || dst.is_null() || rows * to == 0 {
+        return Ok(());
+    }
+    let kernel = if elem_bytes == 2 { kernels::SSD_GLUE_PAD_ROWS_2 } else { kernels::SSD_GLUE_PAD_ROWS_4 };
+    // SAFETY: `src` holds rows x from and `dst` rows x to elements of `elem_bytes`: the call's
+    // validated arrays and the workspace's (plan::PadState), which `workspace_at` checked holds them.
+    unsafe { launch(stream, MODULE, kernel, grid_stride(rows * to), &PadRows { src, dst, rows, from, to }) }
 }
 
 /// A split-heads kernel (kernels/ssd_glue.cu): `expand` repeats the per-head operands for the split

@@ -176,15 +176,17 @@ def test_grad(groups, d, softplus, limit, dtype):
 
 
 def test_chunk_states_in_dtype_at_tensor_core_shapes():
-    """Where the CUDA tensor-core kernels run (bf16/f16, headdim a multiple of 64, dstate 64 or 128, chunk_size
-    64..256) the forward saves chunk_states in x's dtype on every platform (half the memory of
-    f32), elsewhere in f32; the gradients hold either way."""
+    """Where the CUDA tensor-core kernels run (bf16/f16, headdim a multiple of 64, dstate up to 128,
+    chunk_size 64..256) the forward saves chunk_states in x's dtype on every platform (half the
+    memory of f32), elsewhere in f32; the gradients hold either way."""
     static = dict(chunk_size=64, dt_softplus=True)
-    for dtype, headdim, want in [(BF16, 64, BF16), (F16, 64, F16), (BF16, 128, BF16), (BF16, 16, F32), (F32, 64, F32)]:
-        kw = make_case(6, 1, 150, 2, headdim, 64, dtype=dtype)
+    cases = [(BF16, 64, 64, BF16), (F16, 64, 64, F16), (BF16, 128, 64, BF16), (BF16, 64, 16, BF16)]
+    cases += [(BF16, 16, 64, F32), (F32, 64, 64, F32), (BF16, 64, 256, F32)]
+    for dtype, headdim, dstate, want in cases:
+        kw = make_case(6, 1, 150, 2, headdim, dstate, dtype=dtype)
         _, vjp_fn = jax.vjp(lambda a: xla_ssm.ssd(**a, **static), kw)
         residuals = [r for r in jax.tree_util.tree_leaves(vjp_fn) if getattr(r, "ndim", 0) == 5]
-        assert [(r.shape, r.dtype) for r in residuals] == [((1, 2, headdim, 3, 64), want)], (dtype, headdim)
+        assert [(r.shape, r.dtype) for r in residuals] == [((1, 2, headdim, 3, dstate), want)], (dtype, headdim)
     kw = make_case(6, 1, 150, 2, 64, 64, dtype=BF16)
     check_grads(kw, static)
 

@@ -475,7 +475,8 @@ fn workspace_bytes() {
     assert_eq!(xla_ssm_ssd_fwd_workspace_bytes(-1, 10, 8, 4, 4, 1, 32, XLA_SSM_F32), -1);
     assert!(last_error().contains("non-negative"), "{}", last_error());
     // Heads of 128 and 192 on the tensor-core path, as 64-wide split heads (plan::SplitHeads): the
-    // figures the Elixir binding's port is checked against (bindings/elixir/test/spec_test.exs).
+    // figures the Elixir binding's port is checked against (bindings/elixir/test/spec_test.exs), as
+    // are those below.
     type Sizer = extern "C" fn(i64, i64, i64, i64, i64, i64, i64, i32) -> i64;
     let wide = |f: Sizer, [b, l, h, p, n, g, q]: [i64; 7]| f(b, l, h, p, n, g, q, XLA_SSM_BF16);
     let (fwd, bwd): (Sizer, Sizer) = (xla_ssm_ssd_fwd_workspace_bytes, xla_ssm_ssd_bwd_workspace_bytes);
@@ -485,6 +486,12 @@ fn workspace_bytes() {
     assert_eq!(wide(fwd, [1, 16384, 32, 128, 128, 1, 256]), 27_267_072);
     assert_eq!(wide(fwd, [2, 333, 3, 192, 64, 3, 64]), 1_487_976);
     assert_eq!(wide(bwd, [2, 333, 3, 192, 64, 3, 64]), 3_831_296);
+    // Small dstates widened (plan::PadState): to 64, and with heads of 128.
+    assert_eq!(wide(fwd, [8, 2048, 64, 64, 16, 1, 256]), 54_526_208);
+    assert_eq!(wide(bwd, [8, 2048, 64, 64, 16, 1, 256]), 482_480_384);
+    assert_eq!(wide(fwd, [3, 130, 3, 128, 32, 3, 64]), 1_927_568);
+    assert_eq!(wide(bwd, [3, 130, 3, 128, 32, 3, 64]), 3_735_552);
+    assert_eq!(wide(bwd, [1, 1087, 16, 64, 100, 4, 128]), 28_467_968);
 }
 
 /// The C API's chunk_states dtype: the inputs' dtype exactly where the tensor-core kernels run (the
@@ -493,7 +500,7 @@ fn workspace_bytes() {
 fn chunk_states_dtype() {
     for dtype in [Dt::F32, Dt::BF16, Dt::F16] {
         for headdim in [16, 64, 80, 128, 192] {
-            for dstate in [16, 64, 100, 128, 256] {
+            for dstate in [1, 16, 64, 100, 128, 129, 256] {
                 for chunk_size in [32, 64, 128, 256] {
                     let case = SsdCase { dtype, chunk_size, ..SsdCase::new(1, 1, 1, headdim, dstate) };
                     let got =
@@ -507,6 +514,8 @@ fn chunk_states_dtype() {
     assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 128, 32, XLA_SSM_BF16), XLA_SSM_F32, "half a tile");
     assert_eq!(xla_ssm_ssd_chunk_states_dtype(128, 128, 256, XLA_SSM_BF16), XLA_SSM_BF16, "two heads of 64 a head");
     assert_eq!(xla_ssm_ssd_chunk_states_dtype(96, 128, 256, XLA_SSM_BF16), XLA_SSM_F32, "a head and a half");
+    assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 16, 256, XLA_SSM_BF16), XLA_SSM_BF16, "a state widened to 64");
+    assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 256, 256, XLA_SSM_BF16), XLA_SSM_F32, "wider than 128");
     assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 128, 256, 7), -1, "unknown dtype");
 }
 

@@ -186,11 +186,11 @@ fn large_shapes() {
     roundtrip_all("large", &cases);
 }
 
-/// The tensor-core kernels (bf16/f16, headdim a multiple of 64, dstate 64 or 128, chunks of whole
+/// The tensor-core kernels (bf16/f16, headdim a multiple of 64, dstate up to 128, chunks of whole
 /// 64-step tiles): odd lengths, groups, both forms of D, the clamp, z (the backward recomputes y
 /// before the gate, split as far as its records fit), the sequence splits of both passes (few
 /// batch x heads: up to one part per 64-step tile forward, per chunk backward), both ways to dB and
-/// dC, and heads of 128 to 256 channels.
+/// dC, heads of 128 to 256 channels, and dstates of 1 to 100.
 #[test]
 #[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
 fn tensor_core_paths() {
@@ -230,8 +230,8 @@ fn tensor_core_paths() {
         cases.push(case);
     }
     // Heads wider than 64 run as headdim / 64 heads of 64 (plan::mma_shape), their dt, A, D and dt_bias
-    // repeated and the gradients of those summed back: (batch, seqlen, heads, headdim, dstate, groups,
-    // chunk_size, dtype, D form, z, clamp).
+    // repeated and the gradients of those summed back; dstates under 64, and between 64 and 128, are
+    // widened: (batch, seqlen, heads, headdim, dstate, groups, chunk_size, dtype, D form, z, clamp).
     for (k, &(b, l, h, p, n, g, q, dtype, d, z, clamp)) in [
         (2, 333, 2, 128, 64, 1, 64, Dt::BF16, DForm::PerHead, false, false),
         (1, 700, 4, 128, 128, 2, 128, Dt::F16, DForm::PerChannel, true, true),
@@ -239,6 +239,12 @@ fn tensor_core_paths() {
         (1, 1087, 2, 256, 64, 1, 256, Dt::F16, DForm::None, false, false),
         // 16 heads of 128 a group: 32 split heads a group, dB and dC through the head sums.
         (2, 8100, 16, 128, 128, 1, 256, Dt::BF16, DForm::PerHead, true, false),
+        // dstates the kernels widen with zero columns (plan::PadState): to 64, and 100 to 128.
+        (2, 333, 4, 64, 16, 2, 64, Dt::BF16, DForm::PerHead, true, false),
+        (1, 700, 2, 64, 1, 1, 128, Dt::F16, DForm::PerChannel, false, true),
+        (3, 130, 3, 128, 32, 3, 64, Dt::BF16, DForm::None, true, true),
+        (1, 1087, 16, 64, 100, 4, 128, Dt::F16, DForm::PerHead, false, false),
+        (1, 1500, 8, 64, 48, 1, 256, Dt::BF16, DForm::PerChannel, true, false),
     ]
     .iter()
     .enumerate()

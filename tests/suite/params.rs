@@ -12,7 +12,7 @@ use xla_ssm::ops::conv1d::ConvParams;
 use xla_ssm::ops::mamba_decode::DecodeParams;
 use xla_ssm::ops::selective_scan::{BwdParams, BwdReduceParams, FwdParams};
 use xla_ssm::ops::ssd::plan::MmaFwdSplit;
-use xla_ssm::ops::ssd::{BwdMmaParams, FwdMmaParams, GlueParams, SplitHeadsParams, SsdBwdParams, SsdParams};
+use xla_ssm::ops::ssd::{BwdMmaParams, FwdMmaParams, GlueParams, PadRows, SplitHeadsParams, SsdBwdParams, SsdParams};
 use xla_ssm::ops::state_update::UpdateParams;
 
 /// The header as of this test's build (the test needs no source tree to run).
@@ -104,6 +104,7 @@ fn rust_layouts() -> Vec<Layout> {
         SplitHeadsParams => "SsdSplitHeadsParams" {
             q, ways, dt, a => "A", d => "D", dt_bias, ddt, da => "dA", dd => "dD", ddt_bias,
         }
+        PadRows => "SsdPadRows" { src, dst, rows, from, to }
         MmaFwdSplit => "FwdSplit" { tiles_per_part, n_parts, records_per_part }
         FwdMmaParams => "SsdMmaParams" { p, split }
         BwdMmaParams => "SsdBwdMmaParams" {

@@ -576,6 +576,13 @@ defmodule XlaSsm.SpecTest do
       assert Workspace.ssd_fwd_bytes(1, 16_384, 32, 128, 128, 1, 256, {:bf, 16}) == 27_267_072
       assert Workspace.ssd_fwd_bytes(2, 333, 3, 192, 64, 3, 64, {:bf, 16}) == 1_487_976
       assert Workspace.ssd_bwd_bytes(2, 333, 3, 192, 64, 3, 64, {:bf, 16}) == 3_831_296
+
+      # Small dstates widened to the kernels' (plan::PadState), alone and with heads of 128.
+      assert Workspace.ssd_fwd_bytes(8, 2048, 64, 64, 16, 1, 256, {:bf, 16}) == 54_526_208
+      assert Workspace.ssd_bwd_bytes(8, 2048, 64, 64, 16, 1, 256, {:bf, 16}) == 482_480_384
+      assert Workspace.ssd_fwd_bytes(3, 130, 3, 128, 32, 3, 64, {:bf, 16}) == 1_927_568
+      assert Workspace.ssd_bwd_bytes(3, 130, 3, 128, 32, 3, 64, {:bf, 16}) == 3_735_552
+      assert Workspace.ssd_bwd_bytes(1, 1087, 16, 64, 100, 4, 128, {:f, 16}) == 28_467_968
     end
 
     test "chunk_states type" do
@@ -585,6 +592,8 @@ defmodule XlaSsm.SpecTest do
       assert Workspace.ssd_chunk_states_type(48, 64, 64, {:bf, 16}) == {:f, 32}
       assert Workspace.ssd_chunk_states_type(128, 128, 256, {:bf, 16}) == {:bf, 16}
       assert Workspace.ssd_chunk_states_type(96, 128, 256, {:bf, 16}) == {:f, 32}
+      assert Workspace.ssd_chunk_states_type(64, 16, 256, {:bf, 16}) == {:bf, 16}
+      assert Workspace.ssd_chunk_states_type(64, 256, 256, {:bf, 16}) == {:f, 32}
       assert Workspace.ssd_chunk_states_type(64, 64, 64, {:f, 32}) == {:f, 32}
     end
   end

@@ -258,6 +258,64 @@ impl SplitHeadsParams {
     }
 }
 
+/// A copy of `rows` rows of `from` elements into rows of `to` elements (kernels/ssd_glue.cu,
+/// `pad_rows`): the first min(from, to) of each row, then zeros to the end of a wider row. Widens
+/// the state-sized arrays to the tensor-core kernels' dstate and narrows their results back
+/// ([`plan::PadState`]); generated into kernels/params.h as `SsdPadRows`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct PadRows {
+    pub src: *const c_void,
+    pub dst: *mut c_void,
+    pub rows: i64,
+    pub from: i64,
+    pub to: i64,
+}
+
+/// The arrays of a [`plan::PadState`] in a workspace: where the tensor-core kernels read and write
+/// the call's state-sized arrays, widened to `dstate` (null where the call has no such array).
+#[derive(Debug, Clone, Copy)]
+pub struct PaddedState {
+    pub dstate: i64,
+    pub b: *mut c_void,
+    pub c: *mut c_void,
+    pub initial_states: *mut f32,
+    pub final_states: *mut f32,
+    pub chunk_states: *mut c_void,
+    pub db: *mut c_void,
+    pub dc: *mut c_void,
+    pub dinitial_states: *mut f32,
+    pub dfinal_states: *mut f32,
+}
+
+impl PaddedState {
+    /// The arrays of `layout` in the workspace at `base` (its aligned start) that `bwd` (a forward:
+    /// [`Ssd::as_bwd`]) has.
+    pub fn carve(bwd: &SsdBwd, layout: &plan::PadState, base: *mut u8) -> PaddedState {
+        let q = &bwd.params;
+        let p = &q.fwd;
+        let at = |callers: *const c_void, offset: i64| {
+            if callers.is_null() {
+                std::ptr::null_mut()
+            } else {
+                base.wrapping_add(offset as usize) as *mut c_void
+            }
+        };
+        PaddedState {
+            dstate: layout.dstate,
+            b: at(p.b, layout.b),
+            c: at(p.c, layout.c),
+            initial_states: at(p.initial_states.cast(), layout.initial_states).cast(),
+            final_states: at(p.final_states.cast(), layout.final_states).cast(),
+            chunk_states: at(p.chunk_states, layout.chunk_states),
+            db: at(q.db, layout.db),
+            dc: at(q.dc, layout.dc),
+            dinitial_states: at(q.dinitial_states.cast(), layout.dinitial_states).cast(),
+            dfinal_states: at(q.dfinal_states.cast(), layout.dfinal_states).cast(),
+        }
+    }
+}
+
 impl SsdBwdParams {
     /// A forward's parameters with no cotangents or gradients (what kernels shared by both passes
     /// see of a forward).
@@ -506,7 +564,37 @@ impl SsdBwd {
     }
 }
 
+impl SsdBwd {
+    /// This call on a state widened to `pad.dstate`: its state-sized arrays are `pad`'s.
+    pub fn pad_state(&self, pad: &PaddedState) -> SsdBwd {
+        let q = &self.params;
+        let fwd = SsdParams {
+            b: pad.b,
+            c: pad.c,
+            initial_states: pad.initial_states,
+            final_states: pad.final_states,
+            chunk_states: pad.chunk_states,
+            dstate: pad.dstate,
+            ..q.fwd
+        };
+        let params = SsdBwdParams {
+            fwd,
+            db: pad.db,
+            dc: pad.dc,
+            dinitial_states: pad.dinitial_states,
+            dfinal_states: pad.dfinal_states,
+            ..*q
+        };
+        SsdBwd { params, ..*self }
+    }
+}
+
 impl Ssd {
+    /// The forward as [`SsdBwd::pad_state`] views it.
+    pub fn pad_state(&self, pad: &PaddedState) -> Ssd {
+        Ssd { params: self.as_bwd().pad_state(pad).params.fwd, ..*self }
+    }
+
     /// The forward as [`SsdBwd::split_heads`] views it.
     pub fn split_heads(&self, split: &SplitHeadsParams) -> Ssd {
         Ssd { params: self.as_bwd().split_heads(split).params.fwd, ..*self }
@@ -770,7 +858,7 @@ fn expect_chunk_states(op: &str, kind: &str, t: &Tensor, k: &Checked) -> Result<
         "f32 unless the tensor-core kernels run"
     } else {
         "the inputs' dtype where the tensor-core kernels run (bf16/f16, headdim a multiple of 64, \
-         dstate 64 or 128, chunk_size 64, 128 or 256)"
+         dstate 1 to 128, chunk_size 64, 128 or 256)"
     };
     Err(Error::invalid(format!(
         "{op}: {kind} `chunk_states`: expected dtype {} ({why}; xla_ssm_ssd_chunk_states_dtype), got {}",

@@ -1,5 +1,5 @@
-//! The workspace of the CUDA generic path: which scratch arrays it holds, where, and how many bytes
-//! a host passes. Not behind the `cuda` feature: hosts size the workspace (C API, JAX) without it.
+//! The workspace of the CUDA paths (the generic one's [`Layout`], the tensor-core one's
+//! [`MmaWorkspace`]): which scratch arrays each holds, where, and how many bytes a host passes. Not behind the `cuda` feature: hosts size the workspace (C API, JAX) without it.
 //! Sizes depend on the shape and the element size only (every optional array is reserved), so a
 //! host can size the workspace before it knows the flags or the device; packed calls (`cu_seqlens`),
 //! which take the generic path at every shape, have sizes of their own (`packed_*_workspace_bytes`).
@@ -176,29 +176,16 @@ fn sane(s: &Shape) -> Option<Shape> {
     Some(*s)
 }
 
-/// Bytes of workspace the CUDA forward needs: the tensor-core kernel's where it applies (it needs
-/// 16-byte aligned x, B and C there; heads wider than 64 add their [`SplitHeads`] arrays), else the
-/// generic path's.
+/// Bytes of workspace the CUDA forward needs: the tensor-core path's where it applies
+/// ([`MmaWorkspace`]; it needs 16-byte aligned x, B and C), else the generic path's.
 pub fn fwd_workspace_bytes(s: &Shape) -> i64 {
-    sane(s).map_or(0, |s| {
-        if mma_applies(&s) {
-            SplitHeads::new(&s, false).total(mma_fwd_bytes(&mma_shape(&s)))
-        } else {
-            fwd_layout(&s).bytes
-        }
-    })
+    sane(s).map_or(0, |s| if mma_applies(&s) { MmaWorkspace::new(&s, false).bytes } else { fwd_layout(&s).bytes })
 }
 
-/// Bytes of workspace the CUDA backward needs: the tensor-core kernels' where they apply (with or
+/// Bytes of workspace the CUDA backward needs: the tensor-core path's where it applies (with or
 /// without z), else the generic path's, which is far larger (its selective scan's per-channel scratch).
 pub fn bwd_workspace_bytes(s: &Shape) -> i64 {
-    sane(s).map_or(0, |s| {
-        if mma_applies(&s) {
-            SplitHeads::new(&s, true).total(mma_bwd_layout(&mma_shape(&s)).bytes)
-        } else {
-            bwd_layout(&s).bytes
-        }
-    })
+    sane(s).map_or(0, |s| if mma_applies(&s) { MmaWorkspace::new(&s, true).bytes } else { bwd_layout(&s).bytes })
 }
 
 /// Bytes of workspace the CUDA forward needs for a packed call (batch 1): the generic path's, which
@@ -219,30 +206,125 @@ pub const MMA_HEADDIM: i64 = 64;
 /// Blocks the split aims for: two per SM of a 132-SM H100.
 const MMA_WAVE_BLOCKS: i64 = 264;
 
+/// The tensor-core kernels' dstates (template instances); a smaller dstate runs as the next one up.
+pub const MMA_DSTATES: [i64; 2] = [64, 128];
+
 /// Whether the tensor-core kernels take a call of this shape: 2-byte elements (bf16, f16),
-/// headdim a multiple of 64, dstate 64 or 128, chunks of whole tiles (its chunk states are written
+/// headdim a multiple of 64, dstate 1 to 128, chunks of whole tiles (its chunk states are written
 /// per tile). Depends on nothing else (not on batch, seqlen, heads or groups, which sharding splits).
 pub fn mma_applies(s: &Shape) -> bool {
     s.elem_bytes == 2
         && s.headdim > 0
         && s.headdim % MMA_HEADDIM == 0
-        && (s.dstate == 64 || s.dstate == 128)
+        && mma_dstate(s.dstate).is_some()
         && s.chunk_size % MMA_TILE == 0
         && s.chunk_size <= MMA_MAX_CHUNK
 }
 
-/// The shape the tensor-core kernels run: each head as `headdim / 64` heads of 64 channels. A
-/// head's channels are independent given its dt, A, B and C, and x, z, y, the states and their
-/// gradients keep their bytes ((heads, headdim) = (heads * ways, 64)); only the per-head operands
-/// are repeated ([`SplitHeads`]).
+/// The kernels' dstate for a call's: the smallest instance that holds it ([`PadState`]).
+pub fn mma_dstate(dstate: i64) -> Option<i64> {
+    MMA_DSTATES.into_iter().find(|&n| dstate >= 1 && dstate <= n)
+}
+
+/// The shape the tensor-core kernels run: each head as `headdim / 64` heads of 64 channels, and the
+/// state widened to the kernels' dstate. A head's channels are independent given its dt, A, B and
+/// C, and x, z, y, the states and their gradients keep their bytes ((heads, headdim) = (heads *
+/// ways, 64)); only the per-head operands are repeated ([`SplitHeads`]). A state widened with zero
+/// columns of B and C stays zero there and adds nothing to y ([`PadState`]).
 pub fn mma_shape(s: &Shape) -> Shape {
     let ways = (s.headdim / MMA_HEADDIM).max(1);
-    Shape { heads: s.heads * ways, headdim: s.headdim.min(MMA_HEADDIM), ..*s }
+    let dstate = mma_dstate(s.dstate).unwrap_or(s.dstate);
+    Shape { heads: s.heads * ways, headdim: s.headdim.min(MMA_HEADDIM), dstate, ..*s }
+}
+
+/// The tensor-core path's workspace: [`PadState`]'s arrays, then [`SplitHeads`]' (at `split_at`),
+/// then the kernels' (at `kernels_at`: the forward's split records, or [`mma_bwd_layout`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MmaWorkspace {
+    pub pad: PadState,
+    pub split: SplitHeads,
+    pub split_at: i64,
+    pub kernels_at: i64,
+    /// The kernels' bytes from `kernels_at` (the forward takes as many records as fit).
+    pub kernels_bytes: i64,
+    /// What a host passes (with the slack for an unaligned start), 0 when every array is empty.
+    pub bytes: i64,
+}
+
+impl MmaWorkspace {
+    pub fn new(s: &Shape, backward: bool) -> MmaWorkspace {
+        let (pad, split) = (PadState::new(s, backward), SplitHeads::new(s, backward));
+        let kernels_at = pad.bytes + split.bytes;
+        let m = mma_shape(s);
+        let kernels = if backward { mma_bwd_layout(&m).bytes } else { mma_fwd_bytes(&m) };
+        let bytes = match (kernels_at, kernels) {
+            (0, _) => kernels,
+            (arrays, 0) => arrays + ALIGN,
+            (arrays, kernels) => arrays + kernels,
+        };
+        MmaWorkspace { pad, split, split_at: pad.bytes, kernels_at, kernels_bytes: kernels, bytes }
+    }
+}
+
+/// Where a call whose dstate is not one of [`MMA_DSTATES`] keeps its state-sized arrays widened to
+/// the kernels' dstate with zero columns (kernels/ssd_glue.cu, `pad_rows`), at the workspace's start:
+/// B and C, the initial and final states and chunk_states; in the backward also dB, dC and the
+/// states' gradients. All empty (bytes 0) at the kernels' dstates.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PadState {
+    /// The kernels' dstate.
+    pub dstate: i64,
+    /// (batch, seqlen, groups, dstate) T each.
+    pub b: i64,
+    pub c: i64,
+    /// (batch, heads, headdim, dstate) f32 each.
+    pub initial_states: i64,
+    pub final_states: i64,
+    /// (batch, heads, headdim, n_chunks, dstate) T.
+    pub chunk_states: i64,
+    /// Backward: like B, C, initial_states and final_states.
+    pub db: i64,
+    pub dc: i64,
+    pub dinitial_states: i64,
+    pub dfinal_states: i64,
+    /// The arrays' extent, a multiple of ALIGN.
+    pub bytes: i64,
+}
+
+impl PadState {
+    pub fn new(s: &Shape, backward: bool) -> PadState {
+        let dstate = mma_dstate(s.dstate).unwrap_or(s.dstate);
+        if dstate == s.dstate {
+            return PadState { dstate, ..PadState::default() };
+        }
+        let bc = s.batch * s.seqlen * s.groups * dstate * s.elem_bytes;
+        let states = s.batch * s.heads * s.headdim * dstate * 4;
+        let chunks = s.batch * s.heads * s.headdim * n_chunks(s.seqlen, s.chunk_size) * dstate * s.elem_bytes;
+        let backward_only = |bytes: i64| if backward { bytes } else { 0 };
+        let mut c = Carver::default();
+        let (b, cc) = (c.take(bc), c.take(bc));
+        let (initial_states, final_states, chunk_states) = (c.take(states), c.take(states), c.take(chunks));
+        let (db, dc) = (c.take(backward_only(bc)), c.take(backward_only(bc)));
+        let (dinitial_states, dfinal_states) = (c.take(backward_only(states)), c.take(backward_only(states)));
+        PadState {
+            dstate,
+            b,
+            c: cc,
+            initial_states,
+            final_states,
+            chunk_states,
+            db,
+            dc,
+            dinitial_states,
+            dfinal_states,
+            bytes: c.next,
+        }
+    }
 }
 
 /// Where a call whose heads are wider than 64 keeps its per-head operands repeated for the split
-/// heads of [`mma_shape`] (kernels/ssd_glue.cu), at the workspace's start; the tensor-core
-/// kernels' arrays follow at `bytes`. All empty (bytes 0) for headdim 64.
+/// heads of [`mma_shape`] (kernels/ssd_glue.cu), at [`MmaWorkspace`]'s `split_at` (offsets from
+/// there). All empty (bytes 0) for headdim 64.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SplitHeads {
     /// Split heads per head: headdim / 64.
@@ -277,16 +359,6 @@ impl SplitHeads {
         let (ddt, da) = (c.take(backward_only(per_step)), c.take(backward_only(per_head)));
         let (dd, ddt_bias) = (c.take(backward_only(per_head)), c.take(backward_only(per_head)));
         SplitHeads { ways, dt, a, d, dt_bias, ddt, da, dd, ddt_bias, bytes: c.next }
-    }
-
-    /// The workspace a host passes for these arrays followed by `kernels` bytes (which keep their own
-    /// slack for an unaligned start, or are 0).
-    fn total(&self, kernels: i64) -> i64 {
-        match (self.bytes, kernels) {
-            (0, _) => kernels,
-            (arrays, 0) => arrays + ALIGN,
-            (arrays, kernels) => arrays + kernels,
-        }
     }
 }
 
@@ -742,6 +814,49 @@ mod tests {
         let records = mma_fwd_bytes(&mma_shape(&long));
         assert!(records > 0);
         assert_eq!(fwd_workspace_bytes(&long), SplitHeads::new(&long, false).bytes + records);
+    }
+
+    #[test]
+    fn small_states_run_widened() {
+        assert_eq!([1, 16, 64, 65, 100, 128].map(mma_dstate), [64, 64, 64, 128, 128, 128].map(Some));
+        assert_eq!([0, 129, 256].map(mma_dstate), [None; 3]);
+        let s = Shape { dstate: 16, ..mamba2(8, 2048) };
+        assert!(mma_applies(&s) && !mma_applies(&Shape { dstate: 256, ..s }));
+        assert_eq!(mma_shape(&s).dstate, 64);
+        assert_eq!(PadState::new(&mamba2(8, 2048), true), PadState { dstate: 128, ..PadState::default() });
+
+        let (fwd, bwd) = (PadState::new(&s, false), PadState::new(&s, true));
+        let (bc, states, chunks) = (8 * 2048 * 64 * 2, 8 * 64 * 64 * 64 * 4, 8 * 64 * 64 * 8 * 64 * 2);
+        for (l, backward) in [(fwd, false), (bwd, true)] {
+            let grads = if backward { 1 } else { 0 };
+            let spans = [
+                (l.b, bc),
+                (l.c, bc),
+                (l.initial_states, states),
+                (l.final_states, states),
+                (l.chunk_states, chunks),
+                (l.db, grads * bc),
+                (l.dc, grads * bc),
+                (l.dinitial_states, grads * states),
+                (l.dfinal_states, grads * states),
+            ];
+            for (i, &(at, len)) in spans.iter().enumerate() {
+                assert_eq!(at % ALIGN, 0);
+                assert!(at + len <= l.bytes, "array {i} ends past the arrays");
+                for &(other, other_len) in &spans[i + 1..] {
+                    assert!(len == 0 || other_len == 0 || at + len <= other || other + other_len <= at);
+                }
+            }
+        }
+        // Widened state, then split heads, then the kernels' arrays.
+        let both = Shape { heads: 32, headdim: 128, ..s };
+        let ws = MmaWorkspace::new(&both, true);
+        assert_eq!((ws.pad, ws.split), (PadState::new(&both, true), SplitHeads::new(&both, true)));
+        assert_eq!((ws.split_at, ws.kernels_at), (ws.pad.bytes, ws.pad.bytes + ws.split.bytes));
+        assert_eq!(ws.kernels_bytes, mma_bwd_layout(&mma_shape(&both)).bytes);
+        assert_eq!(ws.bytes, ws.kernels_at + ws.kernels_bytes);
+        assert_eq!(bwd_workspace_bytes(&both), ws.bytes);
+        assert_eq!(fwd_workspace_bytes(&both), MmaWorkspace::new(&both, false).kernels_at + ALIGN);
     }
 
     /// The workspace functions size for the path that runs: where the tensor-core kernels apply the

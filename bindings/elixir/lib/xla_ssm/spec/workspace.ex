@@ -28,6 +28,7 @@ defmodule XlaSsm.Spec.Workspace do
   @align 256
   @mma_tile 64
   @mma_headdim 64
+  @mma_dstates [64, 128]
   @mma_wave_blocks 264
   @mma_max_chunk 256
   @msum_max_split 2
@@ -156,7 +157,7 @@ defmodule XlaSsm.Spec.Workspace do
   def ssd_fwd_bytes(batch, seqlen, heads, headdim, dstate, groups, chunk_size, type) do
     case ssd_shape(batch, seqlen, heads, headdim, dstate, groups, chunk_size, type) do
       nil -> 0
-      s -> if mma_applies?(s), do: with_split_heads(s, false, mma_fwd_bytes(mma_shape(s))), else: generic_fwd_bytes(s)
+      s -> if mma_applies?(s), do: mma_workspace_bytes(s, false), else: generic_fwd_bytes(s)
     end
   end
 
@@ -168,7 +169,7 @@ defmodule XlaSsm.Spec.Workspace do
   def ssd_bwd_bytes(batch, seqlen, heads, headdim, dstate, groups, chunk_size, type) do
     case ssd_shape(batch, seqlen, heads, headdim, dstate, groups, chunk_size, type) do
       nil -> 0
-      s -> if mma_applies?(s), do: with_split_heads(s, true, mma_bwd_bytes(mma_shape(s))), else: generic_bwd_bytes(s)
+      s -> if mma_applies?(s), do: mma_workspace_bytes(s, true), else: generic_bwd_bytes(s)
     end
   end
 
@@ -201,31 +202,70 @@ defmodule XlaSsm.Spec.Workspace do
 
   defp mma_applies?(s) do
     s.elem_bytes == 2 and s.headdim > 0 and rem(s.headdim, @mma_headdim) == 0 and
-      s.dstate in [64, 128] and rem(s.chunk_size, @mma_tile) == 0 and s.chunk_size <= @mma_max_chunk
+      mma_dstate(s.dstate) != nil and rem(s.chunk_size, @mma_tile) == 0 and
+      s.chunk_size <= @mma_max_chunk
   end
 
-  # plan::mma_shape: each head as headdim / 64 heads of 64.
+  # plan::mma_dstate: the smallest of the kernels' dstates that holds it.
+  defp mma_dstate(n), do: Enum.find(@mma_dstates, &(n >= 1 and n <= &1))
+
+  # plan::mma_shape: each head as headdim / 64 heads of 64, the state widened.
   defp mma_shape(s) do
     ways = max(div(s.headdim, @mma_headdim), 1)
-    %{s | heads: s.heads * ways, headdim: min(s.headdim, @mma_headdim)}
+
+    %{
+      s
+      | heads: s.heads * ways,
+        headdim: min(s.headdim, @mma_headdim),
+        dstate: mma_dstate(s.dstate) || s.dstate
+    }
   end
 
-  # plan::SplitHeads::new(s, backward).total(kernels): the split heads' dt, A, D and dt_bias (and, in
-  # the backward, their gradients) ahead of the kernels' `kernels` bytes; nothing for headdim 64.
-  defp with_split_heads(s, backward, kernels) do
-    ways = max(div(s.headdim, @mma_headdim), 1)
-    per_step = s.batch * s.seqlen * s.heads * ways * s.elem_bytes
-    per_head = s.heads * ways * 4
-    arrays = [per_step, per_head, per_head, per_head]
-    arrays = if backward, do: arrays ++ arrays, else: arrays
-    bytes = arrays |> Enum.map(&(ceil_div(&1, @align) * @align)) |> Enum.sum()
+  # plan::MmaWorkspace::new(s, backward).bytes: the widened state's arrays (PadState), the split
+  # heads' (SplitHeads), then the kernels'.
+  defp mma_workspace_bytes(s, backward) do
+    arrays = aligned_sum(pad_state_arrays(s, backward) ++ split_heads_arrays(s, backward))
+    m = mma_shape(s)
+    kernels = if backward, do: mma_bwd_bytes(m), else: mma_fwd_bytes(m)
 
     cond do
-      ways == 1 -> kernels
-      kernels == 0 -> bytes + @align
-      true -> bytes + kernels
+      arrays == 0 -> kernels
+      kernels == 0 -> arrays + @align
+      true -> arrays + kernels
     end
   end
+
+  # plan::PadState: B and C, the initial and final states and chunk_states at the kernels' dstate (in
+  # the backward also dB, dC and the states' gradients); none at the kernels' dstates.
+  defp pad_state_arrays(s, backward) do
+    n = mma_dstate(s.dstate)
+
+    if n == s.dstate do
+      []
+    else
+      bc = s.batch * s.seqlen * s.groups * n * s.elem_bytes
+      states = s.batch * s.heads * s.headdim * n * 4
+      chunks = s.batch * s.heads * s.headdim * ceil_div(s.seqlen, s.chunk_size) * n * s.elem_bytes
+      [bc, bc, states, states, chunks] ++ if(backward, do: [bc, bc, states, states], else: [])
+    end
+  end
+
+  # plan::SplitHeads: dt and A, D, dt_bias per split head (in the backward also their gradients);
+  # none for headdim 64.
+  defp split_heads_arrays(s, backward) do
+    ways = max(div(s.headdim, @mma_headdim), 1)
+
+    if ways == 1 do
+      []
+    else
+      per_step = s.batch * s.seqlen * s.heads * ways * s.elem_bytes
+      per_head = s.heads * ways * 4
+      arrays = [per_step, per_head, per_head, per_head]
+      if backward, do: arrays ++ arrays, else: arrays
+    end
+  end
+
+  defp aligned_sum(sizes), do: sizes |> Enum.map(&(ceil_div(&1, @align) * @align)) |> Enum.sum()
 
   # plan::fwd_layout(..).bytes: per-channel scan inputs, then the scan's split workspace.
   defp generic_fwd_bytes(s) do
