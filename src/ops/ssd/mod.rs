@@ -562,9 +562,7 @@ impl SsdBwd {
         };
         SsdBwd { params, ..*self }
     }
-}
 
-impl SsdBwd {
     /// This call on a state widened to `pad.dstate`: its state-sized arrays are `pad`'s.
     pub fn pad_state(&self, pad: &PaddedState) -> SsdBwd {
         let q = &self.params;
