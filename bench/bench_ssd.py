@@ -24,7 +24,6 @@ import argparse
 import importlib
 import math
 import os
-import statistics
 import sys
 import time
 import types
@@ -163,8 +162,8 @@ def load_triton(src: Path):
 
 
 def time_torch(fn, *, reps, target_s, max_inner=200):
-    """As fb.time_adaptive for PyTorch: median seconds per call over `reps` repetitions of back-to-back
-    calls (CUDA events), after a warm-up that compiles the kernels."""
+    """As fb.time_adaptive for PyTorch: after a warm-up that compiles the kernels, the calls per
+    repetition that take about `target_s`, timed by fb.torch_time (CUDA events)."""
     import torch
 
     fn()
@@ -173,16 +172,7 @@ def time_torch(fn, *, reps, target_s, max_inner=200):
     fn()
     torch.cuda.synchronize()
     inner = int(min(max_inner, max(1, target_s / max(time.perf_counter() - t, 1e-6))))
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / inner)
-    return statistics.median(times)
+    return fb.torch_time(torch, fn, reps=reps, inner=inner, warmup=0)
 
 
 def run_triton(scan, case, args, dy, y_ours, rec, target):

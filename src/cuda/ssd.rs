@@ -45,10 +45,10 @@ pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
     let ws = plan::MmaWorkspace::new(&shape, false);
     let base = workspace_at("ssd_fwd", p, ws.bytes, "xla_ssm_ssd_fwd_workspace_bytes")?;
     let at = |offset: i64| base.wrapping_add(offset as usize);
-    let (mut run, dtype) = (*ssd, ssd.dtype());
-    let pad = (ws.pad.dstate != p.dstate).then(|| PaddedState::carve(&ssd.as_bwd(), &ws.pad, base));
+    let (mut run, dtype, call) = (*ssd, ssd.dtype(), ssd.as_bwd());
+    let pad = (ws.pad.dstate != p.dstate).then(|| PaddedState::carve(&call, &ws.pad, base));
     if let Some(pad) = &pad {
-        widen(&ssd.as_bwd().params(), pad, dtype, false, stream)?;
+        widen(&call.params(), pad, dtype, false, stream)?;
         run = run.pad_state(pad);
     }
     if ws.split.ways > 1 {
@@ -58,7 +58,7 @@ pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
     }
     ssd_mma::fwd(&run, &plan::mma_shape(&shape), at(ws.kernels_at), ws.kernels_bytes, stream)?;
     match &pad {
-        Some(pad) => narrow(&ssd.as_bwd().params(), pad, dtype, false, stream),
+        Some(pad) => narrow(&call.params(), pad, dtype, false, stream),
         None => Ok(()),
     }
 }

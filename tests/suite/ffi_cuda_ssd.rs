@@ -195,27 +195,9 @@ fn large_shapes() {
 #[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
 fn tensor_core_paths() {
     gpu();
-    let mut cases = Vec::new();
-    // (batch, seqlen, heads, dstate, groups, chunk_size, dtype, D form, z, clamp)
-    for (k, &(b, l, h, n, g, q, dtype, d, z, clamp)) in [
-        (1, 1, 1, 64, 1, 64, Dt::BF16, DForm::PerHead, false, false),
-        (1, 700, 2, 128, 1, 128, Dt::BF16, DForm::PerChannel, false, true),
-        (2, 333, 4, 64, 2, 64, Dt::F16, DForm::None, false, false),
-        (1, 1000, 3, 128, 3, 256, Dt::F16, DForm::PerHead, false, true),
-        (3, 130, 4, 128, 4, 64, Dt::BF16, DForm::PerHead, true, false),
-        (2, 64, 8, 64, 2, 64, Dt::BF16, DForm::PerChannel, false, false),
-        (1, 700, 2, 64, 1, 128, Dt::F16, DForm::PerChannel, true, true),
-        // 32 heads per group and 2 x 32 (batch, chunk, group) units: dB and dC through the head sums
-        // (plan::mma_bwd_head_sums); every case above takes the per-head partials.
-        (2, 8100, 32, 128, 1, 256, Dt::BF16, DForm::PerChannel, true, false),
-        // 16 (batch, head) pairs: the forward's first pass scans each part in two pieces
-        // (plan::mma_fwd_split), on the wgmma kernel and on the mma.sync one.
-        (2, 1087, 8, 128, 2, 64, Dt::BF16, DForm::PerHead, true, false),
-        (1, 1087, 16, 64, 4, 128, Dt::F16, DForm::PerChannel, false, true),
-    ]
-    .iter()
-    .enumerate()
-    {
+    // (batch, seqlen, heads, headdim, dstate, groups, chunk_size, dtype, D form, z, clamp)
+    type Row = (usize, usize, usize, usize, usize, usize, usize, Dt, DForm, bool, bool);
+    let case = |seed: u64, &(b, l, h, p, n, g, q, dtype, d, z, clamp): &Row| {
         let case = SsdCase {
             groups: g,
             chunk_size: q,
@@ -223,16 +205,32 @@ fn tensor_core_paths() {
             d,
             has_z: z,
             dt_limit: if clamp { CLAMP } else { (0.0, f32::INFINITY) },
-            seed: 700 + k as u64,
-            ..SsdCase::new(b, l, h, 64, n).all_optional()
+            seed,
+            ..SsdCase::new(b, l, h, p, n).all_optional()
         };
         assert!(case.tensor_cores());
-        cases.push(case);
-    }
+        case
+    };
+    let heads_of_64: [Row; 10] = [
+        (1, 1, 1, 64, 64, 1, 64, Dt::BF16, DForm::PerHead, false, false),
+        (1, 700, 2, 64, 128, 1, 128, Dt::BF16, DForm::PerChannel, false, true),
+        (2, 333, 4, 64, 64, 2, 64, Dt::F16, DForm::None, false, false),
+        (1, 1000, 3, 64, 128, 3, 256, Dt::F16, DForm::PerHead, false, true),
+        (3, 130, 4, 64, 128, 4, 64, Dt::BF16, DForm::PerHead, true, false),
+        (2, 64, 8, 64, 64, 2, 64, Dt::BF16, DForm::PerChannel, false, false),
+        (1, 700, 2, 64, 64, 1, 128, Dt::F16, DForm::PerChannel, true, true),
+        // 32 heads per group and 2 x 32 (batch, chunk, group) units: dB and dC through the head sums
+        // (plan::mma_bwd_head_sums); every case above takes the per-head partials.
+        (2, 8100, 32, 64, 128, 1, 256, Dt::BF16, DForm::PerChannel, true, false),
+        // 16 (batch, head) pairs: the forward's first pass scans each part in two pieces
+        // (plan::mma_fwd_split), on the wgmma kernel and on the mma.sync one.
+        (2, 1087, 8, 64, 128, 2, 64, Dt::BF16, DForm::PerHead, true, false),
+        (1, 1087, 16, 64, 64, 4, 128, Dt::F16, DForm::PerChannel, false, true),
+    ];
     // Heads wider than 64 run as headdim / 64 heads of 64 (plan::mma_shape), their dt, A, D and dt_bias
     // repeated and the gradients of those summed back; dstates under 64, and between 64 and 128, are
-    // widened: (batch, seqlen, heads, headdim, dstate, groups, chunk_size, dtype, D form, z, clamp).
-    for (k, &(b, l, h, p, n, g, q, dtype, d, z, clamp)) in [
+    // widened.
+    let other: [Row; 10] = [
         (2, 333, 2, 128, 64, 1, 64, Dt::BF16, DForm::PerHead, false, false),
         (1, 700, 4, 128, 128, 2, 128, Dt::F16, DForm::PerChannel, true, true),
         (3, 130, 3, 192, 128, 3, 64, Dt::BF16, DForm::PerHead, true, true),
@@ -245,23 +243,9 @@ fn tensor_core_paths() {
         (3, 130, 3, 128, 32, 3, 64, Dt::BF16, DForm::None, true, true),
         (1, 1087, 16, 64, 100, 4, 128, Dt::F16, DForm::PerHead, false, false),
         (1, 1500, 8, 64, 48, 1, 256, Dt::BF16, DForm::PerChannel, true, false),
-    ]
-    .iter()
-    .enumerate()
-    {
-        let case = SsdCase {
-            groups: g,
-            chunk_size: q,
-            dtype,
-            d,
-            has_z: z,
-            dt_limit: if clamp { CLAMP } else { (0.0, f32::INFINITY) },
-            seed: 800 + k as u64,
-            ..SsdCase::new(b, l, h, p, n).all_optional()
-        };
-        assert!(case.tensor_cores());
-        cases.push(case);
-    }
+    ];
+    let mut cases: Vec<SsdCase> = heads_of_64.iter().enumerate().map(|(k, r)| case(700 + k as u64, r)).collect();
+    cases.extend(other.iter().enumerate().map(|(k, r)| case(800 + k as u64, r)));
     roundtrip_all("tensor cores", &cases);
 }
 

@@ -606,6 +606,17 @@ pub fn mma_bwd_layout(s: &Shape) -> MmaBwdLayout {
 mod tests {
     use super::*;
 
+    /// Every (offset, bytes) span ALIGN-aligned, ending by `end`, and no two non-empty ones overlapping.
+    fn assert_aligned_and_disjoint(spans: &[(i64, i64)], end: i64) {
+        for (i, &(at, len)) in spans.iter().enumerate() {
+            assert_eq!(at % ALIGN, 0);
+            assert!(at + len <= end, "array {i} ends past {end}");
+            for &(other, other_len) in &spans[i + 1..] {
+                assert!(len == 0 || other_len == 0 || at + len <= other || other + other_len <= at, "arrays overlap");
+            }
+        }
+    }
+
     #[test]
     fn arrays_are_aligned_and_disjoint() {
         let s =
@@ -690,16 +701,8 @@ mod tests {
                 (l.dd_part, l.n_parts * bh * 64 * 4),
                 (l.records, (l.n_parts - 1) * l.records_per_part * bh * (state + 1) * 4),
             ];
-            for (i, &(at, len)) in spans.iter().enumerate() {
-                assert_eq!(at % ALIGN, 0);
-                assert!(at + len + ALIGN <= l.bytes, "array {i} ends past the workspace");
-                for &(other, other_len) in &spans[i + 1..] {
-                    assert!(
-                        len == 0 || other_len == 0 || at + len <= other || other + other_len <= at,
-                        "arrays overlap"
-                    );
-                }
-            }
+            // The last ALIGN bytes are the slack for an unaligned start.
+            assert_aligned_and_disjoint(&spans, l.bytes - ALIGN);
         }
         // One head per group: one head range.
         assert_eq!(mma_bwd_layout(&Shape { groups: 6, ..few }).msum_split, 1);
@@ -797,13 +800,7 @@ mod tests {
                 (l.dd, grads * per_head),
                 (l.ddt_bias, grads * per_head),
             ];
-            for (i, &(at, len)) in spans.iter().enumerate() {
-                assert_eq!(at % ALIGN, 0);
-                assert!(at + len <= l.bytes, "array {i} ends past the arrays");
-                for &(other, other_len) in &spans[i + 1..] {
-                    assert!(len == 0 || other_len == 0 || at + len <= other || other + other_len <= at);
-                }
-            }
+            assert_aligned_and_disjoint(&spans, l.bytes);
             assert_eq!(l.bytes % ALIGN, 0);
         }
         // The kernels' arrays follow the split heads' (no records at 8 x 2048: only the slack).
@@ -840,13 +837,7 @@ mod tests {
                 (l.dinitial_states, grads * states),
                 (l.dfinal_states, grads * states),
             ];
-            for (i, &(at, len)) in spans.iter().enumerate() {
-                assert_eq!(at % ALIGN, 0);
-                assert!(at + len <= l.bytes, "array {i} ends past the arrays");
-                for &(other, other_len) in &spans[i + 1..] {
-                    assert!(len == 0 || other_len == 0 || at + len <= other || other + other_len <= at);
-                }
-            }
+            assert_aligned_and_disjoint(&spans, l.bytes);
         }
         // Widened state, then split heads, then the kernels' arrays.
         let both = Shape { heads: 32, headdim: 128, ..s };
