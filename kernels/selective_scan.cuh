@@ -5,6 +5,10 @@
 #include "common.cuh"
 #include "params.h"
 
+// The (u, B/C) dtype pairs every scan kernel is instantiated for: M(T, TB) for each (B/C f32 or u's
+// dtype; SCAN_TYPES in src/cuda/kernels.rs).
+#define SCAN_TYPE_PAIRS(M) M(f32, f32) M(bf16, bf16) M(bf16, f32) M(f16, f16) M(f16, f32)
+
 // Where B/C element i = t * N + n sits in a kernel's f32 staging rows of N states. From N = 64 on,
 // the 16-byte pieces of states 32..63 of every 64 trade places in pairs (i ^ 4 where bit 5 is set),
 // so that the 8 threads of a channel reading their 8 consecutive states of one step hit different

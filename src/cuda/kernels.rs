@@ -10,6 +10,10 @@ use DType::{BF16, F16, F32};
 /// The modules: kernels/*.cu file stems.
 pub const SCAN_FWD: &str = "selective_scan_fwd";
 pub const SCAN_BWD: &str = "selective_scan_bwd";
+/// The scans' packed-sequence kernels: files of their own, so that nvcc compiles each scan's two
+/// halves in parallel.
+pub const SCAN_FWD_PACKED: &str = "selective_scan_fwd_packed";
+pub const SCAN_BWD_PACKED: &str = "selective_scan_bwd_packed";
 pub const STATE_UPDATE: &str = "selective_state_update";
 pub const CONV: &str = "causal_conv1d";
 pub const SSD_GLUE: &str = "ssd_glue";
@@ -26,6 +30,24 @@ const SCAN_TYPES: [(DType, DType); 5] = [(F32, F32), (BF16, BF16), (BF16, F32), 
 pub const SCAN_FWD_FORMS: [&str; 3] = ["varying", "varying_vec", "invariant"];
 /// Threads per channel of the tiled kernels (1: the forward's output pass only, unpacked).
 const SCAN_TPC: [i64; 6] = [1, 2, 4, 8, 16, 32];
+
+/// The module of a forward scan kernel.
+pub fn scan_fwd_module(packed: bool) -> &'static str {
+    if packed {
+        SCAN_FWD_PACKED
+    } else {
+        SCAN_FWD
+    }
+}
+
+/// The module of a backward scan kernel (the reductions: [`SCAN_BWD`]).
+pub fn scan_bwd_module(packed: bool) -> &'static str {
+    if packed {
+        SCAN_BWD_PACKED
+    } else {
+        SCAN_BWD
+    }
+}
 
 /// The forward's tiled kernel: the split's first pass (`local`) or the output pass.
 pub fn scan_fwd_tiled(local: bool, packed: bool, types: (DType, DType), tpc: i64, form: &str) -> String {
@@ -134,7 +156,7 @@ pub fn all() -> Vec<(&'static str, String)> {
                 names.push((SCAN_FWD, scan_fwd_tiled(false, false, types, tpc, form)));
                 if tpc > 1 {
                     for (local, packed) in [(true, false), (false, true), (true, true)] {
-                        names.push((SCAN_FWD, scan_fwd_tiled(local, packed, types, tpc, form)));
+                        names.push((scan_fwd_module(packed), scan_fwd_tiled(local, packed, types, tpc, form)));
                     }
                 }
             }
@@ -142,7 +164,7 @@ pub fn all() -> Vec<(&'static str, String)> {
                 for local in [false, true] {
                     for packed in [false, true] {
                         for varying in [false, true] {
-                            names.push((SCAN_BWD, scan_bwd_tiled(local, packed, types, tpc, varying)));
+                            names.push((scan_bwd_module(packed), scan_bwd_tiled(local, packed, types, tpc, varying)));
                         }
                     }
                 }
@@ -150,7 +172,7 @@ pub fn all() -> Vec<(&'static str, String)> {
         }
         for lanes in [1, 2, 4, 8, 16, 32] {
             for packed in [false, true] {
-                names.push((SCAN_FWD, scan_fwd_lanes(packed, types, lanes)));
+                names.push((scan_fwd_module(packed), scan_fwd_lanes(packed, types, lanes)));
             }
         }
         for packed in [false, true] {
@@ -253,7 +275,7 @@ mod tests {
             assert!(!defined(module).is_empty(), "no kernels read from kernels/{module}.cu");
         }
         let packed_one_thread = scan_fwd_tiled(false, true, (F32, F32), 1, "varying");
-        assert!(!defined(SCAN_FWD).contains(&packed_one_thread.as_str()));
+        assert!(!defined(SCAN_FWD_PACKED).contains(&packed_one_thread.as_str()));
         assert!(defined(SCAN_FWD).contains(&scan_fwd_tiled(false, false, (F32, F32), 1, "varying").as_str()));
     }
 }

@@ -1,4 +1,4 @@
-//! The CUDA launch of the forward scan (kernels/selective_scan_fwd.cu), which picks one of two kernels:
+//! The CUDA launch of the forward scan (kernels/selective_scan_fwd.cuh), which picks one of two kernels:
 //! - `tiled`: 2 to 32 threads per channel (dstate <= 16, 32, 64, 128, 256), 8 states each in
 //!   registers (or one thread of 16 states at dstate <= 16 on large grids), tiles of 64 channels (32
 //!   and 16 past dstate 64) through shared memory. One B/C group per tile, 16-byte aligned rows
@@ -23,7 +23,7 @@ use crate::ops::selective_scan::{
 use once_cell::sync::Lazy;
 use std::ffi::c_void;
 
-use super::kernels::{self, SCAN_FWD};
+use super::kernels;
 use super::{launch, LaunchConfig};
 
 const LANE_STATES: i64 = 8;
@@ -138,7 +138,7 @@ pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
                 shared_bytes: tiled_shared_bytes(fwd.dtype().size_bytes(), pass_tpc),
             };
             // SAFETY: the parameters of a validated call (see `launch`).
-            unsafe { launch(stream, SCAN_FWD, &kernel, config, params) }
+            unsafe { launch(stream, kernels::scan_fwd_module(packed), &kernel, config, params) }
         };
         let final_tpc = if one_thread { 1 } else { tpc };
         if split {
@@ -153,6 +153,6 @@ pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
         let blocks = ((p.batch * p.dim * ns) as u64).div_ceil(LANES_BLOCK as u64);
         let config = LaunchConfig { grid: (blocks, 1, 1), block: LANES_BLOCK, shared_bytes: 0 };
         // SAFETY: the parameters of a validated call (see `launch`).
-        unsafe { launch(stream, SCAN_FWD, &kernel, config, p) }
+        unsafe { launch(stream, kernels::scan_fwd_module(packed), &kernel, config, p) }
     }
 }

@@ -1,4 +1,4 @@
-//! The CUDA launch of the backward scan (kernels/selective_scan_bwd.cu): the tiled kernel, which
+//! The CUDA launch of the backward scan (kernels/selective_scan_bwd.cuh): the tiled kernel, which
 //! leaves per-block partial sums in the workspace, then two reductions that sum them in a fixed
 //! order (so the gradients are bitwise deterministic).
 //!
@@ -110,10 +110,12 @@ pub fn bwd(bwd: &Bwd, stream: *mut c_void) -> Result<()> {
     };
     if layout.n_split > 1 {
         // SAFETY: the parameters of a validated call (see `launch`).
-        unsafe { launch(stream, SCAN_BWD, &tiled_kernel(true), tiled(layout.n_split - 1), &params) }?;
+        unsafe {
+            launch(stream, kernels::scan_bwd_module(packed), &tiled_kernel(true), tiled(layout.n_split - 1), &params)
+        }?;
     }
     // SAFETY: the parameters of a validated call (see `launch`).
-    unsafe { launch(stream, SCAN_BWD, &tiled_kernel(false), tiled(layout.n_split), &params) }?;
+    unsafe { launch(stream, kernels::scan_bwd_module(packed), &tiled_kernel(false), tiled(layout.n_split), &params) }?;
 
     let reduce = BwdReduceParams {
         q: params,

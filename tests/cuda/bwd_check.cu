@@ -1,4 +1,4 @@
-// Standalone check and timer of the backward kernel (kernels/selective_scan_bwd.cu), for kernel work
+// Standalone check and timer of the backward kernel (kernels/selective_scan_bwd.cuh), for kernel work
 // on a GPU machine without Rust: builds inputs, runs the kernels, compares with a double-precision
 // reference of docs/selective_scan_bwd.md, prints the error and the time.
 // tests/cuda/run.sh builds and runs it:
@@ -12,6 +12,7 @@
 // range): the kernels must stay inside their buffers (run it under compute-sanitizer); nothing is
 // compared. SSB_PARTS=n: another sequence split (1 .. checkpoints parts).
 #include "../../kernels/selective_scan_bwd.cu"
+#include "../../kernels/selective_scan_bwd_packed.cu"
 #include <algorithm>
 #include <cmath>
 #include <cstdio>

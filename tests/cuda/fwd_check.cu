@@ -1,4 +1,4 @@
-// Standalone check and timer of the forward kernels (kernels/selective_scan_fwd.cu), for kernel work
+// Standalone check and timer of the forward kernels (kernels/selective_scan_fwd.cuh), for kernel work
 // on a GPU machine without Rust. bf16 u, delta, z and one group of time-varying B/C; f32 A, D,
 // delta_bias; softplus on. The `tiled` kernel is launched the way src/cuda/selective_scan.rs does
 // (threads per channel, B/C staging form, sequence split), the `lanes` kernel too.
@@ -15,6 +15,7 @@
 // invalid values (unsorted, out of range): the kernels must stay inside their buffers (run it
 // under compute-sanitizer); nothing is compared.
 #include "../../kernels/selective_scan_fwd.cu"
+#include "../../kernels/selective_scan_fwd_packed.cu"
 
 #include <algorithm>
 #include <cmath>

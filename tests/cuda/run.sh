@@ -69,7 +69,7 @@ run() {  # run BINARY ARGS...: one case; a failure is counted, not fatal
 section() { echo; echo "######## $*"; }
 
 if [ "$mode" != time ]; then
-  section "fwd_check: the selective scan forward (kernels/selective_scan_fwd.cu), tiled and lanes kernels:" \
+  section "fwd_check: the selective scan forward (kernels/selective_scan_fwd.cuh), tiled and lanes kernels:" \
     "output, final state and checkpoints against a double-precision recurrence (bf16, z, D, delta_bias, softplus)"
   #               batch dim seqlen dstate layout tpc chunks checkpoint_len h0
   run fwd_check check 2 64 256 16 bdl 0 0 0 0        # the launcher's split (4 chunks)
@@ -103,7 +103,7 @@ if [ "$mode" != time ]; then
   run fwd_check check 1 64 1000 16 bdl 0 0 32 1 -9     # invalid boundaries: no fault (also under compute-sanitizer)
   run fwd_check check 1 64 200 64 bld 0 2 0 1 -30
 
-  section "bwd_check: the selective scan backward (kernels/selective_scan_bwd.cu), kernel and both reductions:" \
+  section "bwd_check: the selective scan backward (kernels/selective_scan_bwd.cuh), kernel and both reductions:" \
     "every gradient against a double-precision reverse recurrence"
   #               batch dim seqlen dstate groups layout dtype ckl z D bias sp h0 dfin
   run bwd_check check 2 64 64 16 1 bdl f32 32 1 1 1 1 1 1

@@ -297,7 +297,7 @@ pub const BWD_MAX_CHECKPOINT_LEN: i64 = 256;
 /// Threads of a CUDA backward block (`kBwdThreads`).
 pub const BWD_THREADS: i64 = 128;
 
-/// How the CUDA backward blocks a problem (kernels/selective_scan_bwd.cu), which sizes its workspace.
+/// How the CUDA backward blocks a problem (kernels/selective_scan_bwd.cuh), which sizes its workspace.
 #[derive(Debug, Clone, Copy)]
 pub struct BwdLayout {
     /// Threads per channel, 8 states each: a power of two from 2 to 32.
