@@ -16,8 +16,8 @@ const DEFAULT_ARCHS: &str = "80,90";
 
 /// The kernel files that use sm_90 features, which need PTX of arch 90 or newer: wgmma (sm_90a;
 /// kernels/wgmma.cuh) and programmatic dependent launch (`pdl_*` in kernels/common.cuh; src/cuda
-/// enables it for a kernel whose PTX arch is 90 or newer). Built from the other files' PTX of the
-/// oldest arch, these would still run, without those features.
+/// enables it for a kernel whose PTX arch is 90 or newer). Compiled like the other files, from the
+/// oldest arch's PTX alone, they would run without those features.
 const SM90_FILES: &[&str] = &["ssd_fwd", "ssd_bwd"];
 
 /// The kernel files that take nvcc longest, longest first (170, 118, 100 and 74 s, two at a time on
@@ -80,7 +80,7 @@ fn kernels(out: &Path) {
         .map(|f| f.to_string())
         .collect();
     // nvcc's front end (cicc) runs once per virtual arch and is over half of its time on the scans
-    // (selective_scan_bwd.cu: 118 s of cicc and 71-87 s of ptxas per arch, one thread). A file
+    // (the selective scan's backward, one thread: 118 s of cicc per arch, 71-87 s of ptxas). A file
     // that uses no sm_90 feature gets one front end, the oldest arch's: its PTX goes to every arch's
     // SASS and is kept for newer GPUs to JIT.
     let portable: Vec<String> = vec![format!(
@@ -142,7 +142,7 @@ fn kernels(out: &Path) {
         .collect();
     // The files not in the cache, NUM_JOBS nvcc at a time (cargo's -j: the cores), the longest first
     // (LONGEST_FIRST, then name order); each nvcc also runs its archs' ptxas in parallel. (All nine
-    // at once on 2 cores took 14% more CPU time, 631 s against 555, the caches shared by all.)
+    // at once on 2 cores took 14% more CPU time: 631 s against 555.)
     let slots = env::var("NUM_JOBS").ok().and_then(|n| n.parse::<usize>().ok()).unwrap_or(1).max(1);
     let mut pending: Vec<&Job> = jobs.iter().filter(|job| !job.cached.is_file()).collect();
     pending.sort_by_key(|job| LONGEST_FIRST.iter().position(|&stem| stem == job.stem).unwrap_or(LONGEST_FIRST.len()));
