@@ -58,7 +58,7 @@ template <int TPC> struct BwdShape {
 // The next tile's inputs as they are in global memory, copied in by cp.async while this tile is
 // computed (its staging then reads shared memory, not HBM): u, delta, dout, z [CB x S], then
 // time-varying B and C [S x NMAX], in the 16-byte vectors of VecTile, vector v at index v. Mirror:
-// `raw_tile_bytes` in src/ops/selective_scan/cuda_bwd.rs.
+// `raw_tile_bytes` in src/cuda/selective_scan_bwd.rs.
 template <typename T, typename TB, int TPC, bool kVaryingBC> struct RawTile {
     using Sh = BwdShape<TPC>;
     static constexpr int kX = Sh::CB * Sh::S * sizeof(T) / 16;                   // vectors per x tensor

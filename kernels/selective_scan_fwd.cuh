@@ -1,6 +1,6 @@
 // Mamba-1 selective scan, forward (docs/selective_scan_fwd.md).
 //
-// Two kernels; src/ops/selective_scan/cuda.rs picks one. `lanes` (any dstate up to 256): one channel
+// Two kernels; src/cuda/selective_scan.rs picks one. `lanes` (any dstate up to 256): one channel
 // (b, d) is scanned by NS consecutive lanes of a warp, each holding K = 8 of its states in registers;
 // per step the lanes' partial <C, h> are summed with warp shuffles. `tiled` (below; any dstate, one
 // B/C group per block, 16-byte rows) is the fast one. Layouts and the two forms of B/C are expressed
@@ -293,7 +293,7 @@ __device__ __forceinline__ void store_tile(T* tile_out, const T* tile, const Til
 // of vectors). Rows along time ("bdl") staged element by element put a warp's writes N floats apart
 // (16- to 32-way bank conflicts); as vectors, a warp's threads take consecutive states, a column each,
 // and write to 32 banks. Rows along the states ("bld") conflict in neither form; there vectors pay
-// only from dstate 65 on (src/ops/selective_scan/cuda.rs picks).
+// only from dstate 65 on (src/cuda/selective_scan.rs picks).
 enum class BcForm { kInvariant, kVarying, kVaryingVec };
 
 template <typename TB, int N, int S, int kThreads, BcForm F> struct BcTileRegs {

@@ -41,7 +41,7 @@ template <typename T, int N> struct BwdSmem {
     uint4 kept[kP * N / 8];  // the state entering the chunk's last tile but one (thread-own, as T pairs)
 };
 
-// The launcher sizes shared memory by this formula (src/ops/ssd/cuda_mma.rs).
+// The launcher sizes shared memory by this formula (src/cuda/ssd_mma.rs).
 static_assert(sizeof(BwdSmem<bf16, 128>) == 21264 + 512 * (128 + 8) + 128 * 128 &&
                   sizeof(BwdSmem<f16, 64>) == 21264 + 512 * (64 + 8) + 128 * 64,
               "mirror of bwd_shared_bytes");

@@ -79,7 +79,7 @@ struct MsumStage {
         bytes = (sc + chunk * 8 + 1023) / 1024 * 1024;
     }
 };
-// The whole (mirror of msum_shared_bytes in src/ops/ssd/cuda_mma.rs): two stages, the scaled x, and
+// The whole (mirror of msum_shared_bytes in src/cuda/ssd_mma.rs): two stages, the scaled x, and
 // slack to align them to 1024 bytes.
 __device__ __host__ inline int64_t msum_shared_bytes(int64_t chunk) {
     return 2 * MsumStage(chunk).bytes + (chunk - kQ) * kP * 2 + 1024;
@@ -343,7 +343,7 @@ template <int N> struct BcStage {
         bytes = (last + 16 + 1023) / 1024 * 1024;
     }
 };
-// The whole (mirror of bc_shared_bytes in src/ops/ssd/cuda_mma.rs): the stages, plus slack to align
+// The whole (mirror of bc_shared_bytes in src/cuda/ssd_mma.rs): the stages, plus slack to align
 // them to 1024 bytes.
 template <int N> __device__ __host__ inline int64_t bc_shared_bytes(int64_t chunk) {
     return kBcStages * BcStage<N>(chunk).bytes + 1024;

@@ -20,9 +20,9 @@ template <typename T, int N> struct SyncSmem {
     T s[kP * pitch<N>()];  // the state entering the tile, rounded to T (the y products' operand)
     TileScalars sc[2];     // of the tile in x/b/c[buf]
 };
-// The launcher sizes shared memory by this formula (src/ops/ssd/cuda_mma.rs).
+// The launcher sizes shared memory by this formula (src/cuda/ssd_mma.rs).
 static_assert(sizeof(SyncSmem<bf16, 128>) == 20480 + 640 * (128 + 8) && sizeof(SyncSmem<f16, 64>) == 20480 + 640 * (64 + 8),
-              "mirror of fwd_shared_bytes (src/ops/ssd/cuda_mma.rs)");
+              "mirror of fwd_shared_bytes (src/cuda/ssd_mma.rs)");
 
 // GATED: y times silu(z), a kernel of its own: with the gate's code in it (skipped at run time) the
 // ungated forward took 380 us instead of 356 at 8x2048x64x64x128.

@@ -51,8 +51,8 @@ static float* upload_f32(const std::vector<float>& v) {
 #define SSD_WGMMA 1
 #endif
 
-// The launcher's split choice (mirrored in src/ops/ssd/cuda.rs): as many parts as fit one wave of two
-// blocks per SM (a second, partial wave would cost a whole one).
+// The launcher's split choice (mirrored in src/ops/ssd/plan.rs, mma_fwd_split): as many parts as
+// fit one wave of two blocks per SM (a second, partial wave would cost a whole one).
 static int64_t split_parts(int64_t batch_heads, int64_t n_tiles) {
     const int64_t want = 2 * 132 / batch_heads;
     return std::max<int64_t>(1, std::min(want, n_tiles));

@@ -171,7 +171,7 @@ int main(int argc, char** argv) {
     variants.push_back({"general-fused/128", true, [=](cudaStream_t s) {
                             mamba_decode_step_bf16_bf16_f32_f32<<<general_grid, 128, 0, s>>>(q);
                         }});
-    // The library's fast kernels, launched as src/ops/state_update/cuda.rs does (there only when
+    // The library's fast kernels, launched as src/cuda/state_update.rs does (there only when
     // dim * lanes >= 128 and, fused, lanes >= the conv width).
     {
         const int64_t per_block = kFastBlock / lanes;

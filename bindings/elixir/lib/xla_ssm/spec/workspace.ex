@@ -6,7 +6,7 @@ defmodule XlaSsm.Spec.Workspace do
   `xla_ssm_selective_scan_bwd_workspace_bytes`, `xla_ssm_ssd_fwd_workspace_bytes`,
   `xla_ssm_ssd_bwd_workspace_bytes`, `xla_ssm_ssd_chunk_states_dtype`). Elixir cannot call them
   without a NIF, so their formulas are mirrored here: they depend on shapes only. The sources are
-  `src/capi.rs` (argument clamping), `src/ops/selective_scan/mod.rs` (`split_plan`,
+  `src/capi/selective_scan.rs` and `src/capi/ssd.rs` (argument checks), `src/ops/selective_scan/mod.rs` (`split_plan`,
   `workspace_bytes`, `bwd_layout`) and `src/ops/ssd/plan.rs` (`fwd_layout`, `bwd_layout`,
   `mma_*`). `tests/suite/exla_frames.rs` checks every size in `test/fixtures/exla_calls.txt` against
   the library, so a change on either side shows up there.
