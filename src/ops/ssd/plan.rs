@@ -1,5 +1,6 @@
 //! The workspace of the CUDA paths (the generic one's [`Layout`], the tensor-core one's
-//! [`MmaWorkspace`]): which scratch arrays each holds, where, and how many bytes a host passes. Not behind the `cuda` feature: hosts size the workspace (C API, JAX) without it.
+//! [`MmaWorkspace`]): which scratch arrays each holds, where, and how many bytes a host passes. Not
+//! behind the `cuda` feature: hosts size the workspace (C API, JAX) without it.
 //! Sizes depend on the shape and the element size only (every optional array is reserved), so a
 //! host can size the workspace before it knows the flags or the device; packed calls (`cu_seqlens`),
 //! which take the generic path at every shape, have sizes of their own (`packed_*_workspace_bytes`).
