@@ -690,6 +690,34 @@ XLA_FFI_Error *xla_ssm_ssd_bwd_cpu(XLA_FFI_CallFrame *call_frame);
 // Called by XLA with a valid call frame.
 XLA_FFI_Error *xla_ssm_ssd_bwd_cuda(XLA_FFI_CallFrame *call_frame);
 
+// XLA FFI handler of `xla_ssm_selective_scan_carry_fwd` for platform "cpu"
+// (docs/selective_scan_carry.md).
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_selective_scan_carry_fwd_cpu(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_selective_scan_carry_fwd` for platform "CUDA". Runs on XLA's stream,
+// allocates nothing and never synchronizes, so it is safe in CUDA graphs.
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_selective_scan_carry_fwd_cuda(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_selective_scan_carry_bwd` for platform "cpu"
+// (docs/selective_scan_carry.md).
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_selective_scan_carry_bwd_cpu(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_selective_scan_carry_bwd` for platform "CUDA". Runs on XLA's stream,
+// allocates nothing and never synchronizes, so it is safe in CUDA graphs.
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_selective_scan_carry_bwd_cuda(XLA_FFI_CallFrame *call_frame);
+
 // XLA FFI handler of `xla_ssm_selective_state_update` (selective state update (one decode token, state in place)) for platform "cpu".
 //
 // # Safety

@@ -84,6 +84,21 @@ typedef struct SelectiveScanBwdReduceParams {
   int32_t _reserved;
 } SelectiveScanBwdReduceParams;
 
+// Kernel parameters; generated into kernels/params.h as `SelectiveScanCarryParams`. The scan's
+// parameters hold the operands: `u` is the outputs (fwd, = `out`) or their gradient (bwd), `C`
+// is C (`B` null), `initial_state` the state (fwd).
+typedef struct SelectiveScanCarryParams {
+  struct SelectiveScanFwdParams scan;
+  // (batch, dim, n_segments) f32.
+  const float *dt_sums;
+  // bwd: (batch, dim, n_segments, dstate) f32; fwd: null.
+  float *dstate_parts;
+  // Steps per segment (the last may have fewer), at least 1.
+  int64_t segment_len;
+  // ceil(seqlen / segment_len).
+  int64_t n_segments;
+} SelectiveScanCarryParams;
+
 // Kernel parameters; generated into kernels/params.h as `StateUpdateParams`. Absent optional operands
 // are null.
 typedef struct StateUpdateParams {

@@ -23,6 +23,7 @@ pub(crate) mod lanes;
 pub(crate) mod math;
 pub(crate) mod pool;
 
+pub(crate) mod carry;
 pub(crate) mod conv1d;
 pub(crate) mod mamba_decode;
 pub(crate) mod selective_scan;

@@ -14,6 +14,7 @@ pub const SCAN_BWD: &str = "selective_scan_bwd";
 /// halves in parallel.
 pub const SCAN_FWD_PACKED: &str = "selective_scan_fwd_packed";
 pub const SCAN_BWD_PACKED: &str = "selective_scan_bwd_packed";
+pub const SCAN_CARRY: &str = "selective_scan_carry";
 pub const STATE_UPDATE: &str = "selective_state_update";
 pub const CONV: &str = "causal_conv1d";
 pub const SSD_GLUE: &str = "ssd_glue";
@@ -73,6 +74,11 @@ pub fn scan_bwd_tiled(local: bool, packed: bool, types: (DType, DType), tpc: i64
 /// The backward's reductions: of the time-varying dB/dC partials (`bc`), or of the parameters'.
 pub fn scan_bwd_reduce(bc: bool, bc_dtype: DType) -> String {
     format!("selective_scan_bwd_reduce_{}_{}", if bc { "bc" } else { "params" }, bc_dtype.name())
+}
+
+/// The carried state of a seqlen shard: added to its outputs (`fwd`) or its gradient (`bwd`).
+pub fn scan_carry(fwd: bool, types: (DType, DType)) -> String {
+    format!("selective_scan_carry_{}_{}", if fwd { "fwd" } else { "bwd" }, join(&[types.0, types.1]))
 }
 
 /// The state update (x, B/C, state dtypes), the fast form or the general one.
@@ -174,6 +180,9 @@ pub fn all() -> Vec<(&'static str, String)> {
             for packed in [false, true] {
                 names.push((scan_fwd_module(packed), scan_fwd_lanes(packed, types, lanes)));
             }
+        }
+        for fwd in [true, false] {
+            names.push((SCAN_CARRY, scan_carry(fwd, types)));
         }
         for packed in [false, true] {
             for kernel in [Conv::Fwd, Conv::BwdDx, Conv::BwdDw] {

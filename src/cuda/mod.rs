@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::Mutex;
 
+pub(crate) mod carry;
 pub(crate) mod conv1d;
 pub mod kernels;
 pub(crate) mod mamba_decode;

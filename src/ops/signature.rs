@@ -147,6 +147,46 @@ pub const SELECTIVE_SCAN_BWD: Signature = Signature {
     ],
 };
 
+/// The attributes both carry calls read.
+const CARRY_ATTRS: [Attr; 5] =
+    [attr("layout", Str), flag("delta_softplus"), flag("has_z"), flag("has_delta_bias"), attr("segment_len", I64)];
+
+/// A seqlen shard's carried state (docs/selective_scan_carry.md): added to the outputs the shard's
+/// scan made from a zero state, in place (`out` is aliased to `out`).
+pub const SELECTIVE_SCAN_CARRY_FWD: Signature = Signature {
+    op: "selective_scan_carry_fwd",
+    operands: &[
+        arg("out"),
+        arg("delta"),
+        arg("A"),
+        arg("C"),
+        opt("z", "has_z"),
+        opt("delta_bias", "has_delta_bias"),
+        arg("state"),
+        arg("dt_sums"),
+    ],
+    results: &[arg("out")],
+    workspace: false,
+    attrs: &CARRY_ATTRS,
+};
+
+/// Its transpose: how the outputs' gradient reaches the state entering the shard, per segment.
+pub const SELECTIVE_SCAN_CARRY_BWD: Signature = Signature {
+    op: "selective_scan_carry_bwd",
+    operands: &[
+        arg("dout"),
+        arg("delta"),
+        arg("A"),
+        arg("C"),
+        opt("z", "has_z"),
+        opt("delta_bias", "has_delta_bias"),
+        arg("dt_sums"),
+    ],
+    results: &[arg("dstate_parts")],
+    workspace: false,
+    attrs: &CARRY_ATTRS,
+};
+
 /// The attributes both SSD calls read.
 const SSD_ATTRS: [Attr; 8] = [
     attr("chunk_size", I64),
@@ -336,9 +376,11 @@ pub const MAMBA_DECODE_STEP: Signature = Signature {
 };
 
 /// Every target, in the order `xla_ssm_target_signatures` lists them.
-pub const ALL: [&Signature; 9] = [
+pub const ALL: [&Signature; 11] = [
     &SELECTIVE_SCAN_FWD,
     &SELECTIVE_SCAN_BWD,
+    &SELECTIVE_SCAN_CARRY_FWD,
+    &SELECTIVE_SCAN_CARRY_BWD,
     &SELECTIVE_STATE_UPDATE,
     &CAUSAL_CONV1D_FWD,
     &CAUSAL_CONV1D_BWD,

@@ -6,6 +6,7 @@ use super::frame::{make_error, Call, Frame};
 use super::{conv1d, mamba_decode, selective_scan, ssd, state_update};
 use crate::error::{Error, Result};
 use crate::ops::conv1d::Kind;
+use crate::ops::selective_scan::carry::Direction;
 use crate::ops::Platform;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -171,6 +172,60 @@ pub unsafe extern "C" fn xla_ssm_ssd_bwd_cuda(call_frame: *mut XLA_FFI_CallFrame
 
 // ---- Decode-time targets (docs/decode.md). In-place operands are aliased to their results with
 // `input_output_aliases`; without the alias the handler copies the operand into the result first.
+
+/// XLA FFI handler of `xla_ssm_selective_scan_carry_fwd` for platform "cpu"
+/// (docs/selective_scan_carry.md).
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_selective_scan_carry_fwd_cpu(
+    call_frame: *mut XLA_FFI_CallFrame,
+) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, 0, |frame| selective_scan::carry_from_frame(frame, Direction::Fwd, Platform::Cpu))
+}
+
+/// XLA FFI handler of `xla_ssm_selective_scan_carry_fwd` for platform "CUDA". Runs on XLA's stream,
+/// allocates nothing and never synchronizes, so it is safe in CUDA graphs.
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_selective_scan_carry_fwd_cuda(
+    call_frame: *mut XLA_FFI_CallFrame,
+) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, |frame| {
+        let stream = frame.stream()?;
+        selective_scan::carry_from_frame(frame, Direction::Fwd, Platform::Cuda { stream })
+    })
+}
+
+/// XLA FFI handler of `xla_ssm_selective_scan_carry_bwd` for platform "cpu"
+/// (docs/selective_scan_carry.md).
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_selective_scan_carry_bwd_cpu(
+    call_frame: *mut XLA_FFI_CallFrame,
+) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, 0, |frame| selective_scan::carry_from_frame(frame, Direction::Bwd, Platform::Cpu))
+}
+
+/// XLA FFI handler of `xla_ssm_selective_scan_carry_bwd` for platform "CUDA". Runs on XLA's stream,
+/// allocates nothing and never synchronizes, so it is safe in CUDA graphs.
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_selective_scan_carry_bwd_cuda(
+    call_frame: *mut XLA_FFI_CallFrame,
+) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, |frame| {
+        let stream = frame.stream()?;
+        selective_scan::carry_from_frame(frame, Direction::Bwd, Platform::Cuda { stream })
+    })
+}
 
 /// XLA FFI handler of `xla_ssm_selective_state_update` (selective state update (one decode token, state in place)) for platform "cpu".
 ///

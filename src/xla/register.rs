@@ -36,6 +36,18 @@ pub const TARGETS: &[Target] = &[
         cuda: handlers::xla_ssm_selective_scan_bwd_cuda,
     },
     Target {
+        name: "xla_ssm_selective_scan_carry_fwd",
+        signature: &signature::SELECTIVE_SCAN_CARRY_FWD,
+        cpu: handlers::xla_ssm_selective_scan_carry_fwd_cpu,
+        cuda: handlers::xla_ssm_selective_scan_carry_fwd_cuda,
+    },
+    Target {
+        name: "xla_ssm_selective_scan_carry_bwd",
+        signature: &signature::SELECTIVE_SCAN_CARRY_BWD,
+        cpu: handlers::xla_ssm_selective_scan_carry_bwd_cpu,
+        cuda: handlers::xla_ssm_selective_scan_carry_bwd_cuda,
+    },
+    Target {
         name: "xla_ssm_selective_state_update",
         signature: &signature::SELECTIVE_STATE_UPDATE,
         cpu: handlers::xla_ssm_selective_state_update_cpu,

@@ -1,12 +1,15 @@
 //! Call frames of `xla_ssm_selective_scan_fwd` / `_bwd` (docs/selective_scan_fwd.md,
 //! docs/selective_scan_bwd.md): operands and results by the targets' signatures, then the op's
-//! validation.
+//! validation; and of `xla_ssm_selective_scan_carry_fwd` / `_bwd` (docs/selective_scan_carry.md).
 
 use super::frame::Frame;
 use super::operands::{prefixed, Call};
 use crate::error::Result;
+use crate::ops::selective_scan::carry::{run_carry, validate_carry, CarryArgs, Direction};
 use crate::ops::selective_scan::*;
-use crate::ops::signature::{SELECTIVE_SCAN_BWD, SELECTIVE_SCAN_FWD};
+use crate::ops::signature::{
+    SELECTIVE_SCAN_BWD, SELECTIVE_SCAN_CARRY_BWD, SELECTIVE_SCAN_CARRY_FWD, SELECTIVE_SCAN_FWD,
+};
 use crate::ops::Platform;
 
 /// The inputs both calls share, with their attributes.
@@ -70,4 +73,32 @@ pub fn bwd_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
         workspace: call.workspace.as_ref(),
     })?;
     run_bwd(&bwd, platform)
+}
+
+/// The XLA handler's body of the carry calls: decode, validate, run.
+pub fn carry_from_frame(frame: &Frame, direction: Direction, platform: Platform) -> Result<()> {
+    let (sig, x, result) = match direction {
+        Direction::Fwd => (&SELECTIVE_SCAN_CARRY_FWD, "out", "out"),
+        Direction::Bwd => (&SELECTIVE_SCAN_CARRY_BWD, "dout", "dstate_parts"),
+    };
+    let pre = prefixed(sig.op);
+    let call = Call::decode(frame, sig)?;
+    let carry = validate_carry(
+        direction,
+        &CarryArgs {
+            x: call.input(x),
+            delta: call.input("delta"),
+            a: call.input("A"),
+            c: call.input("C"),
+            z: call.operand("z"),
+            delta_bias: call.operand("delta_bias"),
+            state: call.operand("state"),
+            dt_sums: call.input("dt_sums"),
+            segment_len: frame.attr_i64("segment_len").map_err(&pre)?,
+            result: call.output(result),
+            delta_softplus: frame.attr_bool("delta_softplus").map_err(&pre)?,
+            layout: Layout::parse(&frame.attr_str("layout").map_err(&pre)?).map_err(&pre)?,
+        },
+    )?;
+    run_carry(&carry, platform)
 }

@@ -130,6 +130,28 @@ def test_selective_scan_packed(signatures, calls, h0):
     check(signatures, calls, ["xla_ssm_selective_scan_fwd", "xla_ssm_selective_scan_bwd"])
 
 
+@pytest.mark.parametrize("z, bias, softplus, layout", list(itertools.product([False, True], [False, True], [False, True], ["bdl", "bld"])))
+def test_selective_scan_carry(signatures, calls, z, bias, softplus, layout):
+    """The seqlen-sharded scan's carry calls (the sharded lowering itself runs only under a mesh)."""
+    from xla_ssm import _scan, _scan_seq
+
+    rng = np.random.default_rng(5)
+    batch, dim, seqlen, n = 2, 8, 40, 4
+    x_shape = (batch, dim, seqlen) if layout == "bdl" else (batch, seqlen, dim)
+    u, delta = rnd(rng, x_shape), rnd(rng, x_shape)
+    A, C = -jnp.exp(rnd(rng, (dim, n))), rnd(rng, (batch, 1, n, seqlen) if layout == "bdl" else (batch, seqlen, 1, n))
+    cfg = _scan._Cfg(softplus, layout, 4, False, z, bias, False, True)
+    ops = [u, delta, A, C, C] + ([rnd(rng, x_shape)] if z else []) + ([rnd(rng, (dim,))] if bias else [])
+    shard = _scan_seq._Shard(cfg, ops)
+
+    def both(u, h):
+        sums = shard.interval_sums(16)
+        return shard.add_carried(u, h, sums, 16), shard.pull(u, sums, 16)
+
+    jax.make_jaxpr(both)(u, rnd(rng, (batch, dim, n)))
+    check(signatures, calls, ["xla_ssm_selective_scan_carry_fwd", "xla_ssm_selective_scan_carry_bwd"])
+
+
 @pytest.mark.parametrize("d, z, bias, h0", list(itertools.product([False, True], repeat=4)))
 def test_ssd(signatures, calls, d, z, bias, h0):
     rng = np.random.default_rng(1)

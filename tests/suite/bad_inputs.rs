@@ -2,8 +2,8 @@
 //!
 //! A fixed-seed generator (the splitmix [`Rng`] of tests/suite/common) mutates valid calls and checks what
 //! each mutated call does. The valid calls are the ones the Elixir binding emits
-//! (bindings/elixir/test/fixtures/exla_calls.txt, read as tests/suite/exla_frames.rs reads it): at least one
-//! per XLA target, and from them the C API's argument structs. Three tests:
+//! (bindings/elixir/test/fixtures/exla_calls.txt, read as tests/suite/exla_frames.rs reads it), and
+//! those of the targets it does not call (tests/suite/fixtures/carry_calls.txt): at least one per XLA target, and from them the C API's argument structs. Three tests:
 //!
 //! - `xla_handlers_refuse_bad_frames`: the `_cpu` and `_cuda` handler of every target (TARGETS) on
 //!   call frames built by the fake runtime (tests/suite/common/xla.rs), mutated: frame, API table and
@@ -112,7 +112,10 @@ fn pick<'a, T>(rng: &mut Rng, xs: &'a [T]) -> &'a T {
 // ---------------------------------------------------------------------------------------------
 // The fixture: the calls the Elixir binding emits (see tests/suite/exla_frames.rs for the format).
 
-const FIXTURE: &str = include_str!("../../bindings/elixir/test/fixtures/exla_calls.txt");
+const FIXTURE: &str = concat!(
+    include_str!("../../bindings/elixir/test/fixtures/exla_calls.txt"),
+    include_str!("fixtures/carry_calls.txt")
+);
 
 #[derive(Clone, Debug)]
 struct Entry {
@@ -253,6 +256,8 @@ fn capi_dtype(code: i32) -> XlaSsmDtype {
 enum Op {
     ScanFwd,
     ScanBwd,
+    CarryFwd,
+    CarryBwd,
     SsdFwd,
     SsdBwd,
     StateUpdate,
@@ -267,6 +272,8 @@ impl Op {
         match target {
             "xla_ssm_selective_scan_fwd" => Op::ScanFwd,
             "xla_ssm_selective_scan_bwd" => Op::ScanBwd,
+            "xla_ssm_selective_scan_carry_fwd" => Op::CarryFwd,
+            "xla_ssm_selective_scan_carry_bwd" => Op::CarryBwd,
             "xla_ssm_ssd_fwd" => Op::SsdFwd,
             "xla_ssm_ssd_bwd" => Op::SsdBwd,
             "xla_ssm_selective_state_update" => Op::StateUpdate,
@@ -828,6 +835,7 @@ fn kind_word(ret: bool) -> &'static str {
 fn in_place(op: Op) -> &'static [&'static str] {
     match op {
         Op::StateUpdate => &["state"],
+        Op::CarryFwd => &["out"],
         Op::ConvUpdate => &["conv_state"],
         Op::Decode => &["conv_state", "ssm_state"],
         _ => &[],
@@ -920,6 +928,21 @@ fn renamed_expect(s: &Setup, name: &str, new_name: &str) -> Expect {
 }
 
 /// What the call makes of `checkpoint_len` = v.
+/// The carry calls' `segment_len` = v: the same number of segments (as `dt_sums` has) or an error.
+fn segment_len_expect(s: &Setup, orig: i64, v: i64) -> Expect {
+    if v < 1 {
+        return invalid_named("segment_len", &[]);
+    }
+    let x = &s.call.operands[0];
+    let seqlen = if s.bld() { x.dims[1] } else { x.dims[2] };
+    let segments = |len: i64| if seqlen == 0 { 0 } else { (seqlen - 1) / len + 1 };
+    if segments(v) == segments(orig) {
+        Expect::Ok
+    } else {
+        invalid_named("dt_sums", &[])
+    }
+}
+
 fn checkpoint_len_expect(s: &Setup, v: i64) -> Expect {
     let fwd = s.op == Op::ScanFwd;
     if v < 0 || v % 32 != 0 || (!fwd && v == 0) {
@@ -1399,6 +1422,7 @@ fn gen_xla(kind: XKind, s: &Setup, rng: &mut Rng) -> Option<XCase> {
             let (name, orig) = match s.op {
                 Op::ScanFwd | Op::ScanBwd => ("checkpoint_len", s.attr_i64("checkpoint_len").unwrap_or(0)),
                 Op::SsdFwd | Op::SsdBwd => ("chunk_size", s.attr_i64("chunk_size").unwrap()),
+                Op::CarryFwd | Op::CarryBwd => ("segment_len", s.attr_i64("segment_len").unwrap()),
                 _ => return None,
             };
             let v = *pick(
@@ -1410,6 +1434,8 @@ fn gen_xla(kind: XKind, s: &Setup, rng: &mut Rng) -> Option<XCase> {
             }
             let expect = if name == "checkpoint_len" {
                 checkpoint_len_expect(s, v)
+            } else if name == "segment_len" {
+                segment_len_expect(s, orig, v)
             } else if ![32, 64, 128, 256].contains(&v) {
                 invalid_named("chunk_size", &[])
             } else if s.op == Op::SsdFwd && s.result("chunk_states").is_none() {

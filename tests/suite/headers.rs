@@ -16,8 +16,9 @@ const HEADER_SOURCES: [&str; 6] = [
 ];
 
 /// Where the kernel parameter structs are defined.
-const PARAMS_SOURCES: [&str; 6] = [
+const PARAMS_SOURCES: [&str; 7] = [
     "src/ops/selective_scan/mod.rs",
+    "src/ops/selective_scan/carry.rs",
     "src/ops/state_update/mod.rs",
     "src/ops/conv1d/mod.rs",
     "src/ops/mamba_decode/mod.rs",

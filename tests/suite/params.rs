@@ -10,6 +10,7 @@ use std::path::Path;
 use std::process::Command;
 use xla_ssm::ops::conv1d::ConvParams;
 use xla_ssm::ops::mamba_decode::DecodeParams;
+use xla_ssm::ops::selective_scan::carry::CarryParams;
 use xla_ssm::ops::selective_scan::{BwdParams, BwdReduceParams, FwdParams};
 use xla_ssm::ops::ssd::plan::MmaFwdSplit;
 use xla_ssm::ops::ssd::{BwdMmaParams, FwdMmaParams, GlueParams, PadRows, SplitHeadsParams, SsdBwdParams, SsdParams};
@@ -77,6 +78,9 @@ fn rust_layouts() -> Vec<Layout> {
         }
         BwdReduceParams => "SelectiveScanBwdReduceParams" {
             q, tiles_per_group, bc_part, groups, varying_bc, _reserved,
+        }
+        CarryParams => "SelectiveScanCarryParams" {
+            scan, dt_sums, dstate_parts, segment_len, n_segments,
         }
         UpdateParams => "StateUpdateParams" {
             state, x, dt, a => "A", b => "B", c => "C", d => "D", z, dt_bias, state_batch_indices, out,

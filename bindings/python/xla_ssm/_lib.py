@@ -17,6 +17,8 @@ LIBRARY_NAME = "libxla_ssm.so"
 TARGETS = (
     "xla_ssm_selective_scan_fwd",
     "xla_ssm_selective_scan_bwd",
+    "xla_ssm_selective_scan_carry_fwd",
+    "xla_ssm_selective_scan_carry_bwd",
     "xla_ssm_selective_state_update",
     "xla_ssm_causal_conv1d_fwd",
     "xla_ssm_causal_conv1d_bwd",

@@ -7,13 +7,15 @@ of the shard up to step t. So each device
   1. scans its shard from zero (the library's forward): outputs, end state, checkpoints;
   2. all-gathers every shard's (decay exp(A cs_end), end state): (shards, batch, dim, dstate) f32;
   3. forms its h_in from the shards before it, and the true final state from all of them;
-  4. adds C_t . exp(A cs_t) h_in (times silu(z)) to its outputs and exp(A cs) h_in to its
-     checkpoints, as dstate fused elementwise terms (no rescan).
+  4. adds C_t . exp(A cs_t) h_in (times silu(z)) to its outputs (`xla_ssm_selective_scan_carry_fwd`,
+     in place: no rescan, and each channel stops where its carried state has decayed below f32's
+     range) and exp(A cs) h_in to its checkpoints.
 The backward mirrors it: each shard's outputs pull on its h_in by r = sum_t gy_t C_t exp(A cs_t)
-(gy: dout through the gate), the shards' (decay, r) are all-gathered, each device forms the gradient
-arriving at its end state from the shards after it, and runs the library's backward from its true
-h_in (its first checkpoint) with that gradient as dfinal_state. Per-channel gradients (A, D,
-delta_bias, time-invariant B/C) are then partial sums over the shards: the caller psums them.
+(gy: dout through the gate; `xla_ssm_selective_scan_carry_bwd`), the shards' (decay, r) are
+all-gathered, each device forms the gradient arriving at its end state from the shards after it,
+and runs the library's backward from its true h_in (its first checkpoint) with that gradient as
+dfinal_state. Per-channel gradients (A, D, delta_bias, time-invariant B/C) are then partial sums
+over the shards: the caller psums them.
 """
 
 from __future__ import annotations
@@ -22,19 +24,25 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from . import _lib
 from ._selective_scan import _softplus
 
 _F32 = jnp.float32
+CARRY_FWD = "xla_ssm_selective_scan_carry_fwd"
+CARRY_BWD = "xla_ssm_selective_scan_carry_bwd"
+# Steps a warp of the carry kernels takes on (a segment): a slowly decaying channel's steps run in
+# parallel; a multiple of every checkpoint length up to 1024 that is a power of two.
+SEGMENT_LEN = 1024
 
 
 class _Shard:
-    """One shard's arrays in the layout's axes: x-like arrays are (b, d, l) ("bdl") or (b, l, d)."""
+    """One shard's operands: x-like arrays are (b, d, l) ("bdl") or (b, l, d)."""
 
     def __init__(self, cfg, ops):
         self.cfg = cfg
         self.bdl = cfg.layout == "bdl"
-        self.l_axis, self.d_axis = (2, 1) if self.bdl else (1, 2)
         it = iter(ops)
         self.u, self.delta, self.A, self.B, self.C = (next(it) for _ in range(5))
         self.D = next(it) if cfg.has_d else None
@@ -42,69 +50,56 @@ class _Shard:
         self.bias = next(it) if cfg.has_delta_bias else None
         self.h0 = next(it) if cfg.has_initial_state else None
         self.plain = list(ops[: 5 + cfg.has_d + cfg.has_z + cfg.has_delta_bias])  # the operands but h0
+
+    def dt(self):
+        """dt after bias and softplus, (b, d, l) f32 whatever the layout."""
         dt = self.delta.astype(_F32)
         if self.bias is not None:
-            dt = dt + self.channel(self.bias)
-        dt = _softplus(dt) if cfg.delta_softplus else dt
-        self.cs = jnp.cumsum(dt, axis=self.l_axis)  # cs_t: sum of dt over the shard's steps 0..t
+            dt = dt + self.bias.reshape((1, -1, 1) if self.bdl else (1, 1, -1))
+        dt = _softplus(dt) if self.cfg.delta_softplus else dt
+        return dt if self.bdl else jnp.swapaxes(dt, 1, 2)
 
-    def channel(self, v):
-        """A (dim,) vector broadcast over an x-like array."""
-        return v.reshape((1, -1, 1) if self.bdl else (1, 1, -1))
+    def interval_sums(self, n):
+        """The sums of dt over intervals of n steps (the last may be shorter): (b, d, ceil(l / n))."""
+        return _regroup(self.dt(), n)
 
-    def per_channel(self, v):
-        """(batch, dim) -> broadcast over x-like arrays."""
-        return v[:, :, None] if self.bdl else v[:, None, :]
+    def _carry_call(self, target, result, first, dt_sums, segment_len, *extra):
+        """The carry target on (first, delta, A, C[, z][, delta_bias], *extra, dt_sums)."""
+        ops = [first, self.delta, self.A, self.C] + [v for v in (self.z, self.bias) if v is not None]
+        attrs = dict(
+            layout=self.cfg.layout,
+            delta_softplus=np.bool_(self.cfg.delta_softplus),
+            has_z=np.bool_(self.cfg.has_z),
+            has_delta_bias=np.bool_(self.cfg.has_delta_bias),
+            segment_len=np.int64(segment_len),
+        )
+        aliases = {0: 0} if target == CARRY_FWD else {}
+        _lib.require(target)
+        return jax.ffi.ffi_call(target, result, input_output_aliases=aliases)(*ops, *extra, dt_sums, **attrs)
 
-    def c_state(self, n):
-        """C's state n for each channel at each step: x-like (time-invariant C: (1, dim) broadcast)."""
-        C = self.C.astype(_F32)
-        if self.cfg.bc_rank == 2:
-            return self.channel(C[:, n])
-        dim = self.u.shape[self.d_axis]
-        if self.bdl:  # (b, g, n, l) -> (b, d, l)
-            return jnp.repeat(C[:, :, n, :], dim // C.shape[1], axis=1)
-        return jnp.repeat(C[:, :, :, n], dim // C.shape[2], axis=2)  # (b, l, g, n) -> (b, l, d)
+    def add_carried(self, out, h, dt_sums, segment_len=SEGMENT_LEN):
+        """The shard's outputs from a zero state `out` plus what a state h (batch, dim, dstate)
+        entering the shard adds to them: C_t . exp(A cs_t) h, through the gate. `dt_sums`:
+        interval_sums(segment_len)."""
+        result = jax.ShapeDtypeStruct(out.shape, out.dtype)
+        return self._carry_call(CARRY_FWD, result, out, dt_sums, segment_len, h)
 
-    def carried(self, n):
-        """exp(A[:, n] cs_t): how state n entering the shard reaches step t, x-like."""
-        return jnp.exp(self.channel(self.A[:, n]) * self.cs)
+    def pull(self, dout, dt_sums, segment_len=SEGMENT_LEN):
+        """sum_t gy_t C_t[n] exp(A[:, n] cs_t), gy = dout through the gate: how the outputs'
+        gradient reaches the state entering the shard, (batch, dim, dstate) f32."""
+        batch, dim, dstate = self.u.shape[0], self.A.shape[0], self.A.shape[1]
+        result = jax.ShapeDtypeStruct((batch, dim, dt_sums.shape[2], dstate), _F32)
+        return self._carry_call(CARRY_BWD, result, dout, dt_sums, segment_len).sum(axis=2)
 
-    # The two per-state sums below are written as dstate elementwise terms over x-like arrays, which
-    # XLA fuses into passes along the shard's contiguous axis. Written as a reduction over a trailing
-    # dstate axis of (x-like, dstate) products, the 2-GPU forward at 1 x 4096 x 131072 x 16 took
-    # 12.7 ms rather than 7.3 (H200; BENCHMARKS.md, "Seqlen sharding").
+    def decay(self, dt_sums):
+        """exp(A cs_end): the whole shard's decay, (batch, dim, dstate), from its dt's interval sums."""
+        return jnp.exp(self.A[None] * dt_sums.sum(axis=-1)[..., None])
 
-    def from_state(self, h):
-        """sum_n C_t[n] exp(A[:, n] cs_t) h[:, :, n]: what a state h entering the shard adds to its
-        outputs before the gate, x-like f32."""
-        return sum(self.c_state(n) * self.carried(n) * self.per_channel(h[:, :, n]) for n in range(self.A.shape[1]))
 
-    def pull(self, gy):
-        """sum_t gy_t C_t[n] exp(A[:, n] cs_t): how the outputs' gradient gy (x-like) reaches the state
-        entering the shard, (batch, dim, dstate)."""
-        terms = [jnp.sum(gy * self.c_state(n) * self.carried(n), axis=self.l_axis) for n in range(self.A.shape[1])]
-        return jnp.stack(terms, axis=-1)
-
-    def decay(self):
-        """exp(A cs_end): the whole shard's decay, (batch, dim, dstate)."""
-        end = jax.lax.index_in_dim(self.cs, self.cs.shape[self.l_axis] - 1, self.l_axis, keepdims=False)
-        return jnp.exp(self.A[None] * end[..., None])
-
-    def gate(self):
-        if self.z is None:
-            return 1.0
-        z = self.z.astype(_F32)
-        return z * jax.nn.sigmoid(z)
-
-    def checkpoint_decay(self, n_checkpoints, checkpoint_len):
-        """exp(A cs) at the step before each checkpoint (1 at the shard's start): (b, d, K, n)."""
-        at = jnp.arange(n_checkpoints) * checkpoint_len - 1
-        cs = jnp.take(self.cs, jnp.maximum(at, 0), axis=self.l_axis)
-        cs = jnp.where((at >= 0).reshape((1, 1, -1) if self.bdl else (1, -1, 1)), cs, 0.0)
-        if not self.bdl:
-            cs = jnp.swapaxes(cs, 1, 2)  # (b, K, d) -> (b, d, K)
-        return jnp.exp(self.A[:, None, :][None] * cs[..., None])
+def _regroup(x, n):
+    """Sums of n consecutive entries along the last axis of (b, d, k), zero-padded: (b, d, ceil(k / n))."""
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, -x.shape[-1] % n)))
+    return x.reshape(*x.shape[:2], -1, n).sum(-1)
 
 
 def carry_in(decay, end, start, axes, shards):
@@ -142,13 +137,20 @@ def lower(call, axes, mesh, raw):
         local = call._replace(cfg=cfg._replace(has_initial_state=False))
         res = raw(local, *s.plain)
         out, end = res[0], res[1]
-        h_in, h = carry_in(s.decay(), end, s.h0, axes, shards)
-        out = (out.astype(_F32) + s.from_state(h_in) * s.gate()).astype(out.dtype)
         if not call.checkpoint_len:
-            return out, h
-        ckpt = res[2]
-        ckpt = ckpt + s.checkpoint_decay(ckpt.shape[2], call.checkpoint_len) * h_in[:, :, None, :]
-        return out, h, ckpt
+            sums = s.interval_sums(SEGMENT_LEN)
+            h_in, h = carry_in(s.decay(sums), end, s.h0, axes, shards)
+            return s.add_carried(out, h_in, sums), h
+        ckpt, length = res[2], call.checkpoint_len
+        per_checkpoint = s.interval_sums(length)
+        if SEGMENT_LEN % length == 0:  # one pass over dt for both
+            sums = _regroup(per_checkpoint, SEGMENT_LEN // length)
+        else:
+            sums = s.interval_sums(SEGMENT_LEN)
+        h_in, h = carry_in(s.decay(sums), end, s.h0, axes, shards)
+        before = jnp.cumsum(per_checkpoint, axis=-1) - per_checkpoint  # cs before each checkpoint
+        decays = jnp.exp(s.A[None, :, None, :] * before[..., None])  # (b, d, K, n)
+        return s.add_carried(out, h_in, sums), h, ckpt + decays * h_in[:, :, None, :]
 
     def bwd(*ops):
         n = 5 + cfg.has_d + cfg.has_z + cfg.has_delta_bias + cfg.has_initial_state
@@ -156,9 +158,8 @@ def lower(call, axes, mesh, raw):
         ckpt, dout = ops[n], ops[n + 1]
         dfinal = ops[n + 2] if call.has_dfinal_state else None
         h_in = ckpt[:, :, 0, :]  # the forward's checkpoint 0: the true state entering this shard
-        gy = dout.astype(_F32) * s.gate()
-        pull = s.pull(gy)
-        g_end, g = carry_back(s.decay(), pull, dfinal, axes, shards)
+        sums = s.interval_sums(SEGMENT_LEN)
+        g_end, g = carry_back(s.decay(sums), s.pull(dout, sums), dfinal, axes, shards)
         local = call._replace(cfg=cfg._replace(has_initial_state=True), has_dfinal_state=True)
         grads = raw(local, *s.plain, h_in, ckpt, dout, g_end)
         return (*grads[:-1], g) if cfg.has_initial_state else tuple(grads[:-1])

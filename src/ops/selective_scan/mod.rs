@@ -13,6 +13,8 @@ use crate::error::{Error, Result};
 use crate::DType;
 use std::ffi::c_void;
 
+pub mod carry;
+
 /// Largest supported state size (the CUDA kernel spreads it over at most 32 lanes of 8 states).
 pub const MAX_DSTATE: i64 = 256;
 
@@ -392,22 +394,33 @@ impl Checked {
     }
 }
 
+/// What the checks call the operands in the places of u and B (the carry calls, `carry`, name
+/// theirs otherwise).
+#[derive(Clone, Copy)]
+struct Names {
+    u: &'static str,
+    b: &'static str,
+}
+
+const SCAN_NAMES: Names = Names { u: "u", b: "B" };
+
 /// Checks every input against u's shape and dtype (the checks both passes share); the message names
 /// the operand, what was expected and what came.
-fn validate_inputs(op: &str, args: &Inputs) -> Result<Checked> {
+fn validate_inputs(op: &str, names: Names, args: &Inputs) -> Result<Checked> {
     let x_meaning = match args.layout {
         Layout::ChannelFirst => "[batch, dim, seqlen]",
         Layout::ChannelLast => "[batch, seqlen, dim]",
     };
     let u = args.u;
-    check_elements(&format!("{op}: operand `u`"), &u.dims)?;
+    check_elements(&format!("{op}: operand `{}`", names.u), &u.dims)?;
     if u.dims.len() != 3 {
         return Err(Error::invalid(format!(
-            "{op}: operand `u`: expected rank 3 {x_meaning}, got shape {}",
+            "{op}: operand `{}`: expected rank 3 {x_meaning}, got shape {}",
+            names.u,
             super::fmt_dims(&u.dims)
         )));
     }
-    expect_dtype(u, &format!("{op}: operand `u`"), &FLOATS)?;
+    expect_dtype(u, &format!("{op}: operand `{}`", names.u), &FLOATS)?;
     let dtype = u.dtype;
     let (batch, dim, seqlen) = match args.layout {
         Layout::ChannelFirst => (u.dims[0], u.dims[1], u.dims[2]),
@@ -443,7 +456,8 @@ fn validate_inputs(op: &str, args: &Inputs) -> Result<Checked> {
             };
             if g < 1 || dim % g != 0 {
                 return Err(Error::invalid(format!(
-                    "{op}: operand `B`: groups (= {g}) must be at least 1 and divide dim (= {dim})"
+                    "{op}: operand `{}`: groups (= {g}) must be at least 1 and divide dim (= {dim})",
+                    names.b
                 )));
             }
             match args.layout {
@@ -453,12 +467,13 @@ fn validate_inputs(op: &str, args: &Inputs) -> Result<Checked> {
         }
         _ => {
             return Err(Error::invalid(format!(
-                "{op}: operand `B`: expected rank 4 (time-varying) or rank 2 (dim, dstate), got shape {}",
+                "{op}: operand `{}`: expected rank 4 (time-varying) or rank 2 (dim, dstate), got shape {}",
+                names.b,
                 super::fmt_dims(&b.dims)
             )))
         }
     };
-    expect(b, &format!("{op}: operand `B`"), &bc_dims, bc_meaning, &bc_dtypes)?;
+    expect(b, &format!("{op}: operand `{}`", names.b), &bc_dims, bc_meaning, &bc_dtypes)?;
     expect(args.c, &format!("{op}: operand `C` (must match B)"), &bc_dims, bc_meaning, &[b.dtype])?;
 
     let per_channel = [dim];
@@ -480,10 +495,10 @@ fn validate_inputs(op: &str, args: &Inputs) -> Result<Checked> {
         expect(h0, &what, &[state_rows, dim, dstate], state_meaning, &[DType::F32])?;
     }
     let named: [(Option<&Tensor>, &str); 9] = [
-        (Some(u), "u"),
+        (Some(u), names.u),
         (Some(args.delta), "delta"),
         (Some(a), "A"),
-        (Some(b), "B"),
+        (Some(b), names.b),
         (Some(args.c), "C"),
         (args.d, "D"),
         (args.z, "z"),
@@ -585,7 +600,7 @@ fn expect_nonnull_all(op: &str, named: &[(Option<&Tensor>, &str)]) -> Result<()>
 /// expected and what came.
 pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
     let op = "selective_scan_fwd";
-    let k = validate_inputs(op, &args.inputs)?;
+    let k = validate_inputs(op, SCAN_NAMES, &args.inputs)?;
     let u = args.inputs.u;
     expect(args.out, &format!("{op}: result `out`"), &u.dims, k.x_meaning, &[k.dtype])?;
     expect(args.final_state, &format!("{op}: result `final_state`"), &k.state_dims(), k.state_meaning, &[DType::F32])?;
@@ -736,7 +751,7 @@ validated! {
 /// gradient (shape and dtype of its primal).
 pub fn validate_bwd(args: &BwdArgs) -> Result<Bwd> {
     let op = "selective_scan_bwd";
-    let k = validate_inputs(op, &args.inputs)?;
+    let k = validate_inputs(op, SCAN_NAMES, &args.inputs)?;
     let i = &args.inputs;
     let (x_dims, state_dims) = (&i.u.dims, k.state_dims());
     validate_checkpoint_len(op, args.checkpoint_len, false)?;
