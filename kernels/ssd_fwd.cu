@@ -9,6 +9,10 @@
 // (FwdSplit, kernels/params.h), from a zero state and records each piece's end state and total
 // decay in the workspace; pass 2 runs every part, starting from the initial state folded through the
 // records before it.
+//
+// Packed sequences (`_packed`, docs/ssd.md): kernels of their own, whose tiles are cut at the
+// boundaries (Windows, ssd_fwd_common.cuh). In the unpacked kernels the boundaries' code, even
+// skipped, slowed the forward (8x2048x64x64x128 bf16 on an H200: 231 -> 251 us).
 #include "ssd_fwd_sync.cuh"
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "ssd_fwd_wgmma.cuh"
@@ -18,7 +22,7 @@
 namespace ssd_mma {
 // wgmma at dstate 128 on sm_90a; at dstate 64 the mma.sync kernel is the faster one there (f16
 // 8x2048x64x64x64: 248 us against 266).
-template <typename T, int N, bool LOCAL, bool GATED>
+template <typename T, int N, bool LOCAL, bool GATED, bool PACKED>
 __device__ __forceinline__ void ssd_fwd(const SsdParams& p, const FwdSplit& split) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if constexpr (N == 128) {
@@ -27,30 +31,34 @@ __device__ __forceinline__ void ssd_fwd(const SsdParams& p, const FwdSplit& spli
             const FwdBlock blk(p, split, std::true_type{});
             const PartRecords rec = PartRecords::make<N>(p, split);
             const int64_t at = blk.part * rec.per_part + blk.bh;
-            local_sum_wgmma<T, N, true>(p, blk.b, blk.h, blk.g, p.x, p.B, blk.tile_begin, blk.tile_end,
-                                        rec.states + at * kP * N, rec.decays + at);
+            local_sum_wgmma<T, N, true, PACKED>(p, blk.b, blk.h, blk.g, p.x, p.B, blk.tile_begin, blk.tile_end,
+                                                rec.states + at * kP * N, rec.decays + at);
         } else {
-            ssd_fwd_wgmma<T, N, GATED>(p, split);
+            ssd_fwd_wgmma<T, N, GATED, PACKED>(p, split);
         }
         return;
     }
 #endif
-    ssd_fwd_sync<T, N, LOCAL, GATED>(p, split);
+    ssd_fwd_sync<T, N, LOCAL, GATED, PACKED>(p, split);
 }
 }  // namespace ssd_mma
 
-// extern "C" entry points ssd_fwd_mma[_gated]_<T>_n<N> (_gated: with z) and ssd_fwd_mma_local_<T>_n<N>
-// (the split's first pass, which writes no y); grid (batch * heads, parts), kThreads threads,
-// sizeof(SyncSmem<T, N>) bytes of dynamic shared memory (the larger of the two kernels' needs).
-#define SSD_FWD_MMA_KERNEL(T, N, NAME, LOCAL, GATED)                                                  \
+// extern "C" entry points ssd_fwd_mma[_gated]<P>_<T>_n<N> (_gated: with z) and
+// ssd_fwd_mma_local<P>_<T>_n<N> (the split's first pass, which writes no y), <P> empty or _packed;
+// grid (batch * heads, parts), kThreads threads, sizeof(SyncSmem<T, N>) bytes of dynamic shared
+// memory (the larger of the two kernels' needs).
+#define SSD_FWD_MMA_KERNEL(T, N, NAME, LOCAL, GATED, PACKED)                                          \
     extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2) NAME(const SsdMmaParams a) {   \
         pdl_launch_dependents(); /* the backward's chunk_scalars reads none of this kernel's output */ \
-        ssd_mma::ssd_fwd<T, N, LOCAL, GATED>(a.p, a.split);                                           \
+        ssd_mma::ssd_fwd<T, N, LOCAL, GATED, PACKED>(a.p, a.split);                                   \
     }
 #define SSD_FWD_MMA(T, N)                                                                             \
-    SSD_FWD_MMA_KERNEL(T, N, ssd_fwd_mma_##T##_n##N, false, false)                                    \
-    SSD_FWD_MMA_KERNEL(T, N, ssd_fwd_mma_gated_##T##_n##N, false, true)                               \
-    SSD_FWD_MMA_KERNEL(T, N, ssd_fwd_mma_local_##T##_n##N, true, false)
+    SSD_FWD_MMA_KERNEL(T, N, ssd_fwd_mma_##T##_n##N, false, false, false)                             \
+    SSD_FWD_MMA_KERNEL(T, N, ssd_fwd_mma_gated_##T##_n##N, false, true, false)                        \
+    SSD_FWD_MMA_KERNEL(T, N, ssd_fwd_mma_local_##T##_n##N, true, false, false)                        \
+    SSD_FWD_MMA_KERNEL(T, N, ssd_fwd_mma_packed_##T##_n##N, false, false, true)                       \
+    SSD_FWD_MMA_KERNEL(T, N, ssd_fwd_mma_gated_packed_##T##_n##N, false, true, true)                  \
+    SSD_FWD_MMA_KERNEL(T, N, ssd_fwd_mma_local_packed_##T##_n##N, true, false, true)
 SSD_FWD_MMA(bf16, 64)
 SSD_FWD_MMA(bf16, 128)
 SSD_FWD_MMA(f16, 64)

@@ -69,7 +69,11 @@ template <typename T, int N> struct TileLoads {
         : TileLoads(p, blk.b, blk.h, blk.g, p.x, p.B, p.C) {}
     template <bool WITH_C, typename XAt, typename BCAt>
     __device__ __forceinline__ void issue(int64_t t0, T* x, T* b, T* c, XAt x_at, BCAt bc_at) const {
-        const int rows = tile_rows(seqlen, t0);
+        issue<WITH_C>(t0, tile_rows(seqlen, t0), x, b, c, x_at, bc_at);
+    }
+    // The same with the rows from `rows` on zero-filled (a packed forward's window, Windows).
+    template <bool WITH_C, typename XAt, typename BCAt>
+    __device__ __forceinline__ void issue(int64_t t0, int rows, T* x, T* b, T* c, XAt x_at, BCAt bc_at) const {
         const T* xs = x_src + t0 * x_step;
 #pragma unroll
         for (int k = 0; k < TileCopy<kP>::kPasses; ++k) {
@@ -91,15 +95,138 @@ template <typename T, int N> struct TileLoads {
     }
 };
 
+// A forward's steps in windows: its 64-step tiles, cut again at every boundary of packed sequences
+// (docs/ssd.md), so that each sequence starts a window and the state's reset rule runs between
+// windows, never inside one. Unpacked, the windows are the tiles. The CUDA target cannot check the
+// boundaries: they are clamped to [0, seqlen] and taken as sorted, and a window is at least a step
+// long, so that invalid ones still end every loop and index only inside the buffers.
+//
+// Past its first search a Windows is a cursor over the boundaries for steps that never decrease:
+// sequence k is the first one not yet passed, `at` its boundary, so that a boundary is loaded once,
+// as the steps pass it (searching at every window put a chain of dependent loads in each).
+struct Windows {
+    const int32_t* cu;
+    int64_t n_seqs, seqlen;
+    int64_t k = 0, at = INT64_MAX;
+    // The cursor at the first sequence starting at or after step t (`packed` false: none, the tiles).
+    __device__ __forceinline__ Windows(const SsdParams& p, int64_t t, bool packed = true)
+        : cu(packed ? p.cu_seqlens : nullptr), n_seqs(p.num_seqs), seqlen(p.seqlen) {
+        if (cu) {
+            k = search(t);
+            fetch();
+        }
+    }
+    __device__ __forceinline__ int64_t boundary(int64_t s) const { return min(max(int64_t(cu[s]), int64_t(0)), seqlen); }
+    __device__ __forceinline__ void fetch() { at = k <= n_seqs ? boundary(k) : INT64_MAX; }
+    __device__ __forceinline__ void pass() {
+        ++k;
+        fetch();
+    }
+    // The first s in 0..=n_seqs whose boundary is at least `t`; n_seqs + 1 if none.
+    __device__ __forceinline__ int64_t search(int64_t t) const {
+        int64_t lo = 0, hi = n_seqs + 1;
+        while (lo < hi) {
+            const int64_t mid = (lo + hi) / 2;
+            if (boundary(mid) < t) lo = mid + 1;
+            else hi = mid;
+        }
+        return lo;
+    }
+    // The end of the window that starts at step t0 (< seqlen; never less than the last call's).
+    __device__ __forceinline__ int64_t end(int64_t t0) {
+        while (at <= t0) pass();
+        return max(min(min((t0 / kQ + 1) * kQ, seqlen), at), t0 + 1);
+    }
+    // Calls f(k) for each sequence k that starts at step l, in order (l never less than the last
+    // call's); returns whether there was one.
+    template <typename F> __device__ __forceinline__ bool each_start(int64_t l, F f) {
+        while (at < l) pass();
+        const bool any = at == l;
+        for (; at == l; pass()) f(k);
+        return any;
+    }
+};
+
+// The windows of a forward block's part, tiles [tile_begin, tile_end), in order: the loop's and,
+// one ahead, the next one (whose tile is copied and scalars formed while the loop's runs). PACKED:
+// Windows, two cursors (one for the window ends, formed ahead, one for the resets at window starts);
+// else the tiles, by plain tile arithmetic, which the compiler keeps on the uniform datapath (windows
+// from the cursors in the unpacked kernels made the gated forward 30% slower).
+template <bool PACKED> struct PartWindows {
+    Windows ends, starts;
+    int64_t tile, tile_end, seqlen, part_end;
+    int64_t w0, w1, w2;  // PACKED: the loop's window [w0, w1), the next [w1, w2)
+    __device__ __forceinline__ PartWindows(const SsdParams& p, int64_t tile_begin, int64_t tile_end_)
+        : ends(p, tile_begin * kQ, PACKED), starts(p, tile_begin * kQ, PACKED), tile(tile_begin), tile_end(tile_end_),
+          seqlen(p.seqlen), part_end(min(tile_end_ * kQ, p.seqlen)), w0(tile_begin * kQ) {
+        if (PACKED) {
+            w1 = end_of(w0);
+            w2 = end_of(w1);
+        }
+    }
+    __device__ __forceinline__ int64_t end_of(int64_t t) { return t < part_end ? ends.end(t) : part_end; }
+    __device__ __forceinline__ bool more() const { return PACKED ? w0 < part_end : tile < tile_end; }
+    __device__ __forceinline__ bool has_next() const { return PACKED ? w1 < part_end : tile + 1 < tile_end; }
+    __device__ __forceinline__ int buf() const { return int(tile & 1); }  // the tile buffer
+    // First steps: the loop's window, the next, the one after.
+    __device__ __forceinline__ int64_t start() const { return PACKED ? w0 : tile * kQ; }
+    __device__ __forceinline__ int64_t next_start() const { return PACKED ? w1 : (tile + 1) * kQ; }
+    __device__ __forceinline__ int64_t later_start() const { return PACKED ? w2 : (tile + 2) * kQ; }
+    // Rows of the loop's and of the next window's tile.
+    __device__ __forceinline__ int rows() const { return PACKED ? int(w1 - w0) : tile_rows(seqlen, tile * kQ); }
+    __device__ __forceinline__ int next_rows() const { return PACKED ? int(w2 - w1) : tile_rows(seqlen, (tile + 1) * kQ); }
+    // Whether row r of the loop's tile is in its window.
+    __device__ __forceinline__ bool inside(int r) const { return PACKED ? r < int(w1 - w0) : tile * kQ + r < seqlen; }
+    // Where the scalars of the loop's / the next window stop (tile_scalars' `end`; -1: the sequence's).
+    __device__ __forceinline__ int64_t stop() const { return PACKED ? w1 : -1; }
+    __device__ __forceinline__ int64_t next_stop() const { return PACKED ? w2 : -1; }
+    __device__ __forceinline__ void advance() {
+        ++tile;
+        if (PACKED) {
+            const int64_t w3 = end_of(w2);
+            w0 = w1;
+            w1 = w2;
+            w2 = w3;
+        }
+    }
+};
+
+// The reset rule at step l of a packed call (docs/ssd.md), on the state s of head h: for each
+// sequence k starting at l, in order, the final state of k - 1 is s (written when `write_final`;
+// the split's first pass writes none), then s is k's initial state (or zero). `starts`: a cursor
+// (Windows) whose steps this advances to l. Returns whether any sequence starts at l.
+template <int N>
+__device__ __forceinline__ bool reset_at(float (&s)[N / 8][4], const SsdParams& p, Windows& starts, int64_t h, int64_t l,
+                                         bool write_final) {
+    const int64_t state_elems = int64_t(kP) * N;
+    return starts.each_start(l, [&](int64_t k) {
+        if (write_final && k >= 1 && p.final_states) {
+            float* dst = p.final_states + ((k - 1) * p.heads + h) * state_elems;
+            for_state_pairs<N>(s, [&](float* acc, int row, int col) {
+                *reinterpret_cast<float2*>(dst + row * N + col) = make_float2(acc[0], acc[1]);
+            });
+        }
+        if (k < starts.n_seqs) {
+            const float* src = p.initial_states ? p.initial_states + (k * p.heads + h) * state_elems : nullptr;
+            for_state_pairs<N>(s, [&](float* acc, int row, int col) {
+                const float2 v = src ? *reinterpret_cast<const float2*>(src + row * N + col) : make_float2(0.f, 0.f);
+                acc[0] = v.x;
+                acc[1] = v.y;
+            });
+        }
+    });
+}
+
 // The state entering a part of (batch, head) bh: the initial state (or zero) carried through the
 // `records` records before it. LOCAL (the split's first pass) starts every piece from zero.
-template <int N, bool LOCAL>
+template <int N, bool LOCAL, bool PACKED>
 __device__ __forceinline__ void load_part_state(float (&s)[N / 8][4], const SsdParams& p, const PartRecords& rec,
                                                 int64_t bh, int64_t records) {
     const int64_t state_elems = int64_t(kP) * N;
     for_state_pairs<N>(s, [&](float* acc, int row, int col) {
         float2 v = make_float2(0.f, 0.f);
-        if (!LOCAL && p.initial_states)
+        // Packed: zero before the first sequence, whose initial state the reset at its start loads.
+        if (!LOCAL && !PACKED && p.initial_states)
             v = *reinterpret_cast<const float2*>(p.initial_states + bh * state_elems + row * N + col);
         acc[0] = v.x;
         acc[1] = v.y;
@@ -108,12 +235,17 @@ __device__ __forceinline__ void load_part_state(float (&s)[N / 8][4], const SsdP
         fold_records<N>(s, rec.states + bh * state_elems, rec.decays + bh, rec.per_part, 0, records, 1);
 }
 
-// At a part's end: LOCAL records its piece's end state and total decay (log2) as record `part`; the
-// last part writes the final states.
-template <int N, bool LOCAL>
+// At a part's end: LOCAL records its piece's end state and total decay (log2; -inf after a reset) as
+// record `part`; the last part writes the final states (packed: by the reset rule at seqlen).
+template <int N, bool LOCAL, bool PACKED>
 __device__ __forceinline__ void store_part_state(float (&s)[N / 8][4], const SsdParams& p, const PartRecords& rec,
                                                  int64_t bh, int64_t part, int n_parts, float decay_sum) {
     const int64_t state_elems = int64_t(kP) * N;
+    if constexpr (!LOCAL && PACKED) {
+        Windows at_end(p, p.seqlen);
+        if (part == n_parts - 1) reset_at<N>(s, p, at_end, bh % p.heads, p.seqlen, true);
+        return;
+    }
     float* dst = LOCAL ? rec.states + (part * rec.per_part + bh) * state_elems
                        : (part == n_parts - 1 && p.final_states ? p.final_states + bh * state_elems : nullptr);
     if (!dst) return;

@@ -26,7 +26,7 @@ static_assert(sizeof(SyncSmem<bf16, 128>) == 20480 + 640 * (128 + 8) && sizeof(S
 
 // GATED: y times silu(z), a kernel of its own: with the gate's code in it (skipped at run time) the
 // ungated forward took 380 us instead of 356 at 8x2048x64x64x128.
-template <typename T, int N, bool LOCAL, bool GATED>
+template <typename T, int N, bool LOCAL, bool GATED, bool PACKED>
 __device__ __forceinline__ void ssd_fwd_sync(const SsdParams& p, const FwdSplit& split) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     SyncSmem<T, N>& sm = *reinterpret_cast<SyncSmem<T, N>*>(smem_raw);
@@ -43,14 +43,14 @@ __device__ __forceinline__ void ssd_fwd_sync(const SsdParams& p, const FwdSplit&
 
     // The state entering the part.
     float s[N / 8][4];
-    load_part_state<N, LOCAL>(s, p, rec, bh, part * split.records_per_part);
+    load_part_state<N, LOCAL, PACKED>(s, p, rec, bh, part * split.records_per_part);
     float dskip[kP / 8][2];
     load_dskip(dskip, p, h);
 
     const TileLoads<T, N> loads(p, blk);
-    auto load_tile = [&](int buf, int64_t t0) {
+    auto load_tile = [&](int buf, int64_t t0, int rows) {
         loads.template issue<!LOCAL>(
-            t0, sm.x[buf], sm.b[buf], sm.c[buf], [](int r, int c) { return uint32_t((r * PX + c) * sizeof(T)); },
+            t0, rows, sm.x[buf], sm.b[buf], sm.c[buf], [](int r, int c) { return uint32_t((r * PX + c) * sizeof(T)); },
             [](int r, int c) { return uint32_t((r * PN + c) * sizeof(T)); });
     };
 
@@ -64,23 +64,25 @@ __device__ __forceinline__ void ssd_fwd_sync(const SsdParams& p, const FwdSplit&
     const int at_rows = (lane & 7) + (lane >> 4) * 8, at_cols = ((lane >> 3) & 1) * 8;     // A, k-major
     constexpr int E = sizeof(T);
 
-    if (tile_begin < tile_end) load_tile(int(tile_begin & 1), tile_begin * kQ);
+    // The part's windows (its tiles; PACKED: cut at the sequences' boundaries).
+    PartWindows<PACKED> win(p, tile_begin, tile_end);
+    if (win.more()) load_tile(win.buf(), win.start(), win.rows());
     cp_async_commit();
     T dt_raw[2];
     if (warp == 0) {
-        load_dt<T>(p, b, h, tile_begin * kQ, dt_raw);
-        tile_scalars(sm.sc[tile_begin & 1], p, dt_bias, a_log2, tile_begin * kQ, dt_raw);
-        load_dt<T>(p, b, h, (tile_begin + 1) * kQ, dt_raw);
+        load_dt<T>(p, b, h, win.start(), dt_raw);
+        tile_scalars(sm.sc[win.buf()], p, dt_bias, a_log2, win.start(), dt_raw, true, win.stop());
+        load_dt<T>(p, b, h, win.next_start(), dt_raw);
     }
 
-    for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
-        const int buf = int(tile & 1);
-        const int64_t t0 = tile * kQ;
+    for (; win.more(); win.advance()) {
+        const int buf = win.buf();
+        const int64_t t0 = win.start();
         // z is read straight from global memory by the epilogue: pull this tile's rows (one line
         // each) into L2 now, half a tile before its use (gated forward 710 -> 645 us; silu did the rest).
-        if (GATED && tid < kQ && t0 + tid < p.seqlen)
+        if (GATED && tid < kQ && win.inside(tid))
             prefetch_l2(static_cast<const T*>(p.z) + ((b * p.seqlen + t0 + tid) * p.heads + h) * kP);
-        if (tile + 1 < tile_end) load_tile(buf ^ 1, t0 + kQ);
+        if (win.has_next()) load_tile(buf ^ 1, win.next_start(), win.next_rows());
         cp_async_commit();
         cp_async_wait_one();
         __syncthreads();
@@ -89,8 +91,9 @@ __device__ __forceinline__ void ssd_fwd_sync(const SsdParams& p, const FwdSplit&
         const float cum_last = sc.cd[kQ / 2 - 1].z;
         decay_sum += cum_last;
         const uint32_t xs = smem_addr(sm.x[buf]), bs = smem_addr(sm.b[buf]), cs = smem_addr(sm.c[buf]);
+        if (!LOCAL) store_chunk_state<T, N>(s, p, bh, t0);
+        if (PACKED && reset_at<N>(s, p, win.starts, h, t0, !LOCAL)) decay_sum = -INFINITY;
         if (!LOCAL) {
-            store_chunk_state<T, N>(s, p, bh, t0);
             for_state_pairs<N>(s, [&](float* acc, int row, int col) {
                 *reinterpret_cast<T2*>(&sm.s[row * PN + col]) = O::pack2(acc[0], acc[1]);
             });
@@ -155,7 +158,7 @@ __device__ __forceinline__ void ssd_fwd_sync(const SsdParams& p, const FwdSplit&
             for (int half = 0; half < 2; ++half) {
                 const int row = half ? t_hi : t_lo;
                 const int64_t t = t0 + row;
-                if (t >= p.seqlen) continue;
+                if (!win.inside(row)) continue;
                 const int col0 = 2 * (lane % 4);
                 const int64_t base = ((b * p.seqlen + t) * p.heads + h) * kP + col0;
 #pragma unroll
@@ -193,14 +196,14 @@ __device__ __forceinline__ void ssd_fwd_sync(const SsdParams& p, const FwdSplit&
                 mma_pair<T>(s[2 * pr], s[2 * pr + 1], a, bb);
             }
         }
-        if (warp == 0 && tile + 1 < tile_end) {
-            tile_scalars(sm.sc[buf ^ 1], p, dt_bias, a_log2, t0 + kQ, dt_raw);
-            load_dt<T>(p, b, h, t0 + 2 * kQ, dt_raw);
+        if (warp == 0 && win.has_next()) {
+            tile_scalars(sm.sc[buf ^ 1], p, dt_bias, a_log2, win.next_start(), dt_raw, true, win.next_stop());
+            load_dt<T>(p, b, h, win.later_start(), dt_raw);
         }
         __syncthreads();
     }
 
-    store_part_state<N, LOCAL>(s, p, rec, bh, part, int(split.n_parts), decay_sum);
+    store_part_state<N, LOCAL, PACKED>(s, p, rec, bh, part, int(split.n_parts), decay_sum);
 }
 
 }  // namespace ssd_mma

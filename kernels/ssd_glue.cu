@@ -112,19 +112,15 @@ __device__ __forceinline__ void reduce_heads(const SsdGlueParams g) {
     }
 }
 
-// chunk_states in T (packed calls at the tensor-core shapes) and the scan's f32 checkpoints, the
-// same layout: the forward rounds the checkpoints into chunk_states, the backward widens them back.
-template <typename T, bool ROUND>
-__device__ __forceinline__ void convert_chunk_states(const SsdGlueParams g) {
+// chunk_states in T (a packed backward at the tensor-core shapes) widened into the scan's f32
+// checkpoints, the same layout.
+template <typename T>
+__device__ __forceinline__ void widen_chunk_states(const SsdGlueParams g) {
     const SsdParams& p = g.q.fwd;
     const int64_t n = p.batch * p.heads * p.headdim * ssd_chunk_count(p) * p.dstate;
-    T* states = static_cast<T*>(p.chunk_states);
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        if (ROUND)
-            states[i] = from_f32<T>(g.chunk_states_f32[i]);
-        else
-            g.chunk_states_f32[i] = to_f32(states[i]);
-    }
+    const T* states = static_cast<const T*>(p.chunk_states);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        g.chunk_states_f32[i] = to_f32(states[i]);
 }
 
 // Heads wider than 64 run on the tensor-core kernels as `ways` heads of 64 each (plan::mma_shape in
@@ -212,11 +208,8 @@ SSD_GLUE(bf16)
 SSD_GLUE(f16)
 
 #define SSD_GLUE_CHUNK_STATES(T)                                                                        \
-    extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_round_chunk_states_##T(const SsdGlueParams g) { \
-        convert_chunk_states<T, true>(g);                                                               \
-    }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_widen_chunk_states_##T(const SsdGlueParams g) { \
-        convert_chunk_states<T, false>(g);                                                              \
+        widen_chunk_states<T>(g);                                                                       \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_split_heads_expand_##T(const SsdSplitHeadsParams s) { \
         split_heads_expand<T>(s);                                                                       \

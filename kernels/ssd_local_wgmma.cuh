@@ -42,14 +42,31 @@ template <typename T, int N> __host__ __device__ constexpr int local_shared_byte
 // (batch, seqlen, groups, N) arrays; SUFFIX: the forward's weights 2^(cum_last - cum_s) dt_s within a
 // tile, tiles last to first; else the backward's 2^cum_t, first to last. Writes the (kP x N) sum to
 // `record` (f32, row-major) and the total decay to *record_decay.
-template <typename T, int N, bool SUFFIX>
+//
+// Packed sequences (the forward; the backward takes none): a piece in which a sequence starts sums only
+// from the last such start on, adds that sequence's initial state decayed through the piece, and
+// records the decay as -inf (nothing before the start passes through).
+template <typename T, int N, bool SUFFIX, bool PACKED = false>
 __device__ __forceinline__ void local_sum_wgmma(const SsdParams& p, int64_t b, int64_t h, int64_t g, const void* u,
                                                 const void* v, int64_t tile_begin, int64_t tile_end, float* record,
                                                 float* record_decay) {
     static_assert(N == 128, "the first passes on wgmma take dstate 128");
+    static_assert(SUFFIX || !PACKED, "the backward takes no packed sequences");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     LocalSmem<T, N>& sm = *reinterpret_cast<LocalSmem<T, N>*>(wgmma::align_1024(smem_raw));
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // A packed forward's last sequence start in the piece: sum from `from` on, then add initial_states[restart].
+    int64_t from = 0, restart = -1;
+    if constexpr (PACKED) {
+        const int64_t piece_end = min(tile_end * kQ, p.seqlen);
+        const Windows win(p, piece_end);
+        const int64_t k = win.k - 1;  // the last sequence starting before piece_end
+        if (tile_begin < tile_end && k >= 0 && win.boundary(k) >= tile_begin * kQ) {
+            from = win.boundary(k);
+            restart = k;
+            tile_begin = from / kQ;
+        }
+    }
     const int64_t n_tiles = max(tile_end - tile_begin, int64_t(0));
     // Loop step i's first step; past the piece, the sequence's end (all padding: dt 0).
     auto t0_of = [&](int64_t i) {
@@ -67,7 +84,7 @@ __device__ __forceinline__ void local_sum_wgmma(const SsdParams& p, int64_t b, i
     // This warp's tile of a batch: its weights from its dt, which was loaded a batch before.
     T dt_raw[2];
     auto form_weights = [&](int64_t i) {
-        const TileCum c(p, dt_bias, a_log2, t0_of(i), dt_raw);
+        const TileCum c(p, dt_bias, a_log2, t0_of(i), dt_raw, PACKED ? from : 0, p.seqlen);
         LocalWeights& out = sm.wt[(i / kLocalBatch) & 1][i % kLocalBatch];
         float w[2];
 #pragma unroll
@@ -131,10 +148,19 @@ __device__ __forceinline__ void local_sum_wgmma(const SsdParams& p, int64_t b, i
     for (int kk = 0; kk < kQ / 16; ++kk)
 #pragma unroll
         for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(frag[0][kk][r]), "+r"(frag[1][kk][r])::"memory");
+    const float* initial = PACKED && restart >= 0 && restart < p.num_seqs && p.initial_states
+                               ? p.initial_states + (restart * p.heads + h) * int64_t(kP) * N
+                               : nullptr;
+    const float carried = ex2_ftz(decay_sum);  // the initial state's decay through the rest of the piece
     for_state_pairs<N>(s, [&](float* acc, int row, int col) {
-        *reinterpret_cast<float2*>(record + row * N + col) = make_float2(acc[0], acc[1]);
+        float2 v = make_float2(acc[0], acc[1]);
+        if (initial) {
+            const float2 s0 = *reinterpret_cast<const float2*>(initial + row * N + col);
+            v = make_float2(fmaf(carried, s0.x, v.x), fmaf(carried, s0.y, v.y));
+        }
+        *reinterpret_cast<float2*>(record + row * N + col) = v;
     });
-    if (tid == 0) *record_decay = decay_sum;
+    if (tid == 0) *record_decay = PACKED && restart >= 0 ? -INFINITY : decay_sum;
 }
 
 }  // namespace ssd_mma

@@ -171,17 +171,23 @@ __device__ __forceinline__ void load_dt_f32(const SsdParams& p, int64_t b, int64
 }
 
 // One warp's running sum of dt * A (log2 units) through a tile from its raw dt (load_dt: T, or f32):
-// lane l owns steps 2l and 2l + 1, with dt after bias/softplus/clamp (0 past the end: padding steps
-// neither decay nor add), cum[e] the sum through step 2l + e, `last` the tile's total.
+// lane l owns steps 2l and 2l + 1, with dt after bias/softplus/clamp (0 outside the steps [lo, hi),
+// by default the sequence: such steps neither decay nor add), cum[e] the sum through step 2l + e,
+// `last` the tile's total. (A packed forward's windows end at sequence boundaries: ssd_fwd_common.cuh.)
 struct TileCum {
     float dt[2], cum[2], last;
     template <typename R>
-    __device__ __forceinline__ TileCum(const SsdParams& p, float dt_bias, float a_log2, int64_t t0, const R (&raw)[2]) {
+    __device__ __forceinline__ TileCum(const SsdParams& p, float dt_bias, float a_log2, int64_t t0, const R (&raw)[2])
+        : TileCum(p, dt_bias, a_log2, t0, raw, 0, p.seqlen) {}
+    template <typename R>
+    __device__ __forceinline__ TileCum(const SsdParams& p, float dt_bias, float a_log2, int64_t t0, const R (&raw)[2],
+                                       int64_t lo, int64_t hi) {
         const int lane = threadIdx.x & 31;
         float a[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            dt[e] = t0 + 2 * lane + e < p.seqlen ? ssd_dt(p, to_f32(raw[e]), dt_bias) : 0.f;
+            const int64_t t = t0 + 2 * lane + e;
+            dt[e] = t >= lo && t < hi ? ssd_dt(p, to_f32(raw[e]), dt_bias) : 0.f;
             a[e] = dt[e] * a_log2;
         }
         float run = a[0] + a[1];
@@ -196,12 +202,13 @@ struct TileCum {
     }
 };
 
-// One warp turns the raw dt of a tile into its scalars, stored when `store`.
+// One warp turns the raw dt of a tile into its scalars, stored when `store`; steps from `end` on (by
+// default the sequence's end) are padding.
 template <typename R>
 __device__ __forceinline__ void tile_scalars(TileScalars& out, const SsdParams& p, float dt_bias, float a_log2,
-                                             int64_t t0, const R (&raw)[2], bool store = true) {
+                                             int64_t t0, const R (&raw)[2], bool store = true, int64_t end = -1) {
     const int lane = threadIdx.x & 31;
-    const TileCum c(p, dt_bias, a_log2, t0, raw);
+    const TileCum c(p, dt_bias, a_log2, t0, raw, 0, end < 0 ? p.seqlen : end);
     if (!store) return;
     const float c0 = c.cum[0], c1 = c.cum[1];
     out.cd[lane] = make_float4(c0, c.dt[0], c1, c.dt[1]);

@@ -401,7 +401,7 @@ pub extern "C" fn xla_ssm_ssd_packed_fwd_workspace_bytes(
     let op = "xla_ssm_ssd_packed_fwd_workspace_bytes";
     size(|| {
         let shape = packed_shape(op, [seqlen, num_seqs, heads, headdim, dstate, groups, chunk_size], dtype)?;
-        Ok(crate::ops::ssd::plan::packed_fwd_workspace_bytes(&shape))
+        Ok(crate::ops::ssd::plan::packed_fwd_workspace_bytes(&shape, num_seqs))
     })
 }
 

@@ -117,8 +117,8 @@ pub const SSD_GLUE_EXPAND_PARAMS: &str = "ssd_glue_expand_params";
 pub const SSD_GLUE_REDUCE_HEADS: &str = "ssd_glue_reduce_heads";
 pub const SSD_GLUE_PAD_ROWS_2: &str = "ssd_glue_pad_rows_2";
 pub const SSD_GLUE_PAD_ROWS_4: &str = "ssd_glue_pad_rows_4";
-/// SSD's glue kernels per dtype: `expand_delta` and `reduce_ddt` (any dtype), `round_chunk_states`,
-/// `widen_chunk_states`, `split_heads_expand` and `split_heads_fold` (bf16 and f16).
+/// SSD's glue kernels per dtype: `expand_delta` and `reduce_ddt` (any dtype), `widen_chunk_states`,
+/// `split_heads_expand` and `split_heads_fold` (bf16 and f16).
 pub fn ssd_glue(kernel: &str, dtype: DType) -> String {
     format!("ssd_glue_{kernel}_{}", dtype.name())
 }
@@ -128,8 +128,8 @@ const SSD_MMA_TYPES: [DType; 2] = [BF16, F16];
 const SSD_MMA_DSTATES: [i64; 2] = [64, 128];
 
 /// The tensor-core forward: the split's first pass (`local`), or the pass that writes y (`gated`:
-/// with z).
-pub fn ssd_fwd_mma(local: bool, gated: bool, dtype: DType, dstate: i64) -> String {
+/// with z); `packed`: the kernels that cut their tiles at packed sequences' boundaries.
+pub fn ssd_fwd_mma(local: bool, gated: bool, packed: bool, dtype: DType, dstate: i64) -> String {
     let kind = if local {
         "_local"
     } else if gated {
@@ -137,7 +137,8 @@ pub fn ssd_fwd_mma(local: bool, gated: bool, dtype: DType, dstate: i64) -> Strin
     } else {
         ""
     };
-    format!("ssd_fwd_mma{kind}_{}_n{dstate}", dtype.name())
+    let packed = if packed { "_packed" } else { "" };
+    format!("ssd_fwd_mma{kind}{packed}_{}_n{dstate}", dtype.name())
 }
 
 /// The tensor-core backward's kernels per dtype and dstate: `mma`, `mma_partials`, `mma_local`,
@@ -215,7 +216,6 @@ pub fn all() -> Vec<(&'static str, String)> {
     names.push((SSD_GLUE, SSD_GLUE_PAD_ROWS_4.to_string()));
     names.push((SSD_BWD, SSD_BWD_REDUCE_PARAMS.to_string()));
     for dtype in SSD_MMA_TYPES {
-        names.push((SSD_GLUE, ssd_glue("round_chunk_states", dtype)));
         names.push((SSD_GLUE, ssd_glue("widen_chunk_states", dtype)));
         names.push((SSD_GLUE, ssd_glue("split_heads_expand", dtype)));
         names.push((SSD_GLUE, ssd_glue("split_heads_fold", dtype)));
@@ -224,7 +224,9 @@ pub fn all() -> Vec<(&'static str, String)> {
         }
         for dstate in SSD_MMA_DSTATES {
             for (local, gated) in [(false, false), (false, true), (true, false)] {
-                names.push((SSD_FWD, ssd_fwd_mma(local, gated, dtype, dstate)));
+                for packed in [false, true] {
+                    names.push((SSD_FWD, ssd_fwd_mma(local, gated, packed, dtype, dstate)));
+                }
             }
             for kernel in ["mma", "mma_partials", "mma_local", "bc_sums"] {
                 names.push((SSD_BWD, ssd_bwd_mma(kernel, dtype, dstate)));

@@ -5,11 +5,12 @@
 //! (kernels/ssd_glue.cu), run the selective scan's CUDA kernels, and (backward) sum its per-channel
 //! gradients back to heads. Scratch comes from the workspace result ([`crate::ops::ssd::plan`]).
 //!
-//! Packed sequences (`cu_seqlens`) take the generic path at every shape: the selective scan resets
-//! the state at the boundaries, while the tensor-core kernels have no boundaries (their chunked
-//! products would need the decay mask cut at each one). Where chunk_states are in T (the
-//! tensor-core shapes) the scan's f32 checkpoints pass through an f32 copy in the workspace,
-//! rounded after the forward and widened before the backward, as on the CPU.
+//! Packed sequences (`cu_seqlens`): the tensor-core forward cuts its tiles at the boundaries and
+//! resets the state between them (kernels/ssd_fwd_common.cuh, `Windows`); its states have a row per
+//! sequence. The backward takes the generic path at every shape: the selective scan resets the state
+//! at the boundaries, while the tensor-core backward has no boundaries yet. Where chunk_states are in
+//! T (the tensor-core shapes) its f32 checkpoints pass through an f32 copy in the workspace, widened
+//! before the backward, as on the CPU.
 
 use super::ssd_mma;
 use super::{launch, LaunchConfig};
@@ -33,7 +34,7 @@ const MAX_BLOCKS: u64 = 8192;
 pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
     let p = &ssd.params();
     let shape = shape(p, ssd.dtype());
-    if p.packed() || !plan::mma_applies(&shape) {
+    if !plan::mma_applies(&shape) {
         return generic_fwd(ssd, stream);
     }
     if !ssd_mma::aligned(p) {
@@ -42,8 +43,12 @@ pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
              8-byte aligned (XLA's buffers always are)",
         ));
     }
-    let ws = plan::MmaWorkspace::new(&shape, false);
-    let base = workspace_at("ssd_fwd", p, ws.bytes, "xla_ssm_ssd_fwd_workspace_bytes")?;
+    let (ws, sizer) = if p.packed() {
+        (plan::MmaWorkspace::packed(&shape, p.num_seqs), "xla_ssm_ssd_packed_fwd_workspace_bytes")
+    } else {
+        (plan::MmaWorkspace::new(&shape, false), "xla_ssm_ssd_fwd_workspace_bytes")
+    };
+    let base = workspace_at("ssd_fwd", p, ws.bytes, sizer)?;
     let at = |offset: i64| base.wrapping_add(offset as usize);
     let (mut run, dtype, call) = (*ssd, ssd.dtype(), ssd.as_bwd());
     let pad = (ws.pad.dstate != p.dstate).then(|| PaddedState::carve(&call, &ws.pad, base));
@@ -105,12 +110,12 @@ pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
 fn widen(q: &SsdBwdParams, pad: &PaddedState, dtype: DType, backward: bool, stream: *mut c_void) -> Result<()> {
     let p = &q.fwd;
     let (t, n, to) = (dtype.size_bytes(), p.dstate, pad.dstate);
-    let (bc_rows, state_rows) = (p.batch * p.seqlen * p.groups, p.batch * p.heads * p.headdim);
+    let (bc_rows, state_rows, chunk_rows) = rows(p);
     copy_rows(p.b, pad.b, bc_rows, n, to, t, stream)?;
     copy_rows(p.c, pad.c, bc_rows, n, to, t, stream)?;
     copy_rows(p.initial_states.cast(), pad.initial_states.cast(), state_rows, n, to, 4, stream)?;
     if backward {
-        copy_rows(p.chunk_states, pad.chunk_states, state_rows * p.n_chunks(), n, to, t, stream)?;
+        copy_rows(p.chunk_states, pad.chunk_states, chunk_rows, n, to, t, stream)?;
         copy_rows(q.dfinal_states.cast(), pad.dfinal_states.cast(), state_rows, n, to, 4, stream)?;
     }
     Ok(())
@@ -121,15 +126,22 @@ fn widen(q: &SsdBwdParams, pad: &PaddedState, dtype: DType, backward: bool, stre
 fn narrow(q: &SsdBwdParams, pad: &PaddedState, dtype: DType, backward: bool, stream: *mut c_void) -> Result<()> {
     let p = &q.fwd;
     let (t, n, from) = (dtype.size_bytes(), p.dstate, pad.dstate);
-    let (bc_rows, state_rows) = (p.batch * p.seqlen * p.groups, p.batch * p.heads * p.headdim);
+    let (bc_rows, state_rows, chunk_rows) = rows(p);
     if backward {
         copy_rows(pad.db, q.db, bc_rows, from, n, t, stream)?;
         copy_rows(pad.dc, q.dc, bc_rows, from, n, t, stream)?;
         copy_rows(pad.dinitial_states.cast(), q.dinitial_states.cast(), state_rows, from, n, 4, stream)
     } else {
         copy_rows(pad.final_states.cast(), p.final_states.cast(), state_rows, from, n, 4, stream)?;
-        copy_rows(pad.chunk_states, p.chunk_states, state_rows * p.n_chunks(), from, n, t, stream)
+        copy_rows(pad.chunk_states, p.chunk_states, chunk_rows, from, n, t, stream)
     }
+}
+
+/// Rows of dstate elements in B and C, in the initial and final states and their gradients (a row
+/// per sequence when packed), and in chunk_states.
+fn rows(p: &SsdParams) -> (i64, i64, i64) {
+    let per_state = p.heads * p.headdim;
+    (p.batch * p.seqlen * p.groups, p.state_rows() * per_state, p.batch * per_state * p.n_chunks())
 }
 
 /// `rows` rows of `from` elements of `elem_bytes` at `src` into rows of `to` at `dst` (zeros past
@@ -261,8 +273,8 @@ fn generic_layout(p: &SsdParams, dtype: DType, backward: bool) -> (Layout, &'sta
     }
 }
 
-/// Where the scan's f32 checkpoints go when chunk_states are in T: the layout's f32 copy (null when
-/// they are f32, or empty). Only packed calls reach the generic path with chunk_states in T.
+/// Where the scan's f32 checkpoints come from when chunk_states are in T: the layout's f32 copy (null
+/// when they are f32, or empty). Only packed backwards reach the generic path with chunk_states in T.
 fn chunk_states_f32(ssd: &Ssd, layout: &Layout, base: *mut u8, op: &str) -> Result<*mut f32> {
     let p = &ssd.params();
     if ssd.chunk_states_dtype() == DType::F32 || base.is_null() || p.chunk_states_len() == 0 {
@@ -274,12 +286,12 @@ fn chunk_states_f32(ssd: &Ssd, layout: &Layout, base: *mut u8, op: &str) -> Resu
     Ok(base.wrapping_add(layout.chunk_states_f32 as usize) as *mut f32)
 }
 
-/// A glue kernel over the elements of chunk_states (rounding the f32 copy to T, or widening).
-fn convert_chunk_states(g: &GlueParams, kernel: &str, dtype: DType, stream: *mut c_void) -> Result<()> {
+/// chunk_states (in T) widened into the f32 copy.
+fn widen_chunk_states(g: &GlueParams, dtype: DType, stream: *mut c_void) -> Result<()> {
     let config = grid_stride(g.q.fwd.chunk_states_len());
     // SAFETY: the parameters of a validated call (see `launch`); chunk_states_f32 holds
     // chunk_states_len f32 of the workspace.
-    unsafe { launch(stream, MODULE, &kernels::ssd_glue(kernel, dtype), config, g) }
+    unsafe { launch(stream, MODULE, &kernels::ssd_glue("widen_chunk_states", dtype), config, g) }
 }
 
 fn generic_fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
@@ -287,17 +299,10 @@ fn generic_fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
     let (layout, sizer) = generic_layout(p, ssd.dtype(), false);
     let base = workspace_base("ssd_fwd", p, &layout, sizer)?;
     let scratch = carve(ssd, &layout, base, false);
-    let f32_copy =
-        if ssd.save_chunk_states() { chunk_states_f32(ssd, &layout, base, "ssd_fwd")? } else { std::ptr::null_mut() };
     let q = SsdBwdParams::forward_only(*p);
-    let g = glue(q, ssd, &scratch, std::ptr::null_mut(), f32_copy);
+    let g = glue(q, ssd, &scratch, std::ptr::null_mut(), std::ptr::null_mut());
     expand(&g, ssd.dtype(), stream)?;
-    if f32_copy.is_null() {
-        return selective_scan::run_fwd(&scan_fwd(ssd, &scratch)?, Platform::Cuda { stream });
-    }
-    let run = ssd.with_chunk_states(f32_copy as *mut c_void);
-    selective_scan::run_fwd(&scan_fwd(&run, &scratch)?, Platform::Cuda { stream })?;
-    convert_chunk_states(&g, "round_chunk_states", ssd.dtype(), stream)
+    selective_scan::run_fwd(&scan_fwd(ssd, &scratch)?, Platform::Cuda { stream })
 }
 
 fn generic_bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
@@ -315,7 +320,7 @@ fn generic_bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
     if f32_copy.is_null() {
         selective_scan::run_bwd(&scan_bwd(bwd, &scratch)?, Platform::Cuda { stream })?;
     } else {
-        convert_chunk_states(&g, "widen_chunk_states", ssd.dtype(), stream)?;
+        widen_chunk_states(&g, ssd.dtype(), stream)?;
         let run = bwd.with_chunk_states(f32_copy as *mut c_void);
         selective_scan::run_bwd(&scan_bwd(&run, &scratch)?, Platform::Cuda { stream })?;
     }

@@ -105,17 +105,17 @@ pub(super) fn fwd(
     let max_records = if workspace.is_null() { 0 } else { workspace_bytes / plan::mma_fwd_record_bytes(shape) };
     let split = plan::mma_fwd_split(shape, max_records, plan::Pieces::forward(shape, compute_capability(stream)?));
     let args = FwdMmaParams { p: SsdParams { workspace: workspace as *mut c_void, ..*p }, split };
-    let (dtype, dstate) = (ssd.dtype(), p.dstate);
+    let (dtype, dstate, packed) = (ssd.dtype(), p.dstate, p.packed());
     let smem = fwd_shared_bytes(p.dstate);
     if split.n_parts > 1 {
         // SAFETY: the parameters of a validated call (see `launch`).
         unsafe {
-            let kernel = kernels::ssd_fwd_mma(true, false, dtype, dstate);
+            let kernel = kernels::ssd_fwd_mma(true, false, packed, dtype, dstate);
             launch(stream, FWD_MODULE, &kernel, blocks(p, split.records(), smem), &args)
         }?;
     }
     // With z, a kernel of its own (kernels/ssd_fwd.cu: the gate's code slowed the ungated one).
-    let main = kernels::ssd_fwd_mma(false, !p.z.is_null(), dtype, dstate);
+    let main = kernels::ssd_fwd_mma(false, !p.z.is_null(), packed, dtype, dstate);
     // SAFETY: the parameters of a validated call (see `launch`).
     unsafe { launch(stream, FWD_MODULE, &main, blocks(p, split.n_parts, smem), &args) }
 }

@@ -357,11 +357,16 @@ def test_packed_forward(dtype):
     assert_close("final_states", s, s_ref, STATE_TOL[dtype])
 
 
-def test_packed_tensor_core_shape():
-    """bf16, headdim 64, dstate 64, chunk 64: chunk_states in bf16 (the CUDA tensor-core shapes,
-    which packed calls run on the generic path); gradients too."""
-    kw, cu = make_packed(61, [0, 70, 1, 129, 0], heads=2, headdim=64, dstate=64, groups=1, dtype=BF16)
-    static = dict(chunk_size=64, dt_softplus=True)
+@pytest.mark.parametrize("lens, headdim, dstate, chunk", [
+    ([0, 70, 1, 129, 0], 64, 64, 64),
+    ([3, 0, 1, 5, 2, 9, 64, 1, 0, 40, 7, 300, 2], 128, 128, 128),  # several boundaries in a tile
+])
+def test_packed_tensor_core_shape(lens, headdim, dstate, chunk):
+    """bf16 at the CUDA tensor-core shapes: chunk_states in bf16; there the forward of a packed call
+    runs on the tensor-core kernels (its tiles cut at the boundaries), its backward on the generic
+    path; gradients too."""
+    kw, cu = make_packed(61, lens, heads=2, headdim=headdim, dstate=dstate, groups=1, dtype=BF16)
+    static = dict(chunk_size=chunk, dt_softplus=True)
     y, s = ours(**kw, **static, return_final_states=True, cu_seqlens=cu)
     y_ref, s_ref = jax.jit(lambda a: xla_ssm.ssd_ref(**a, **static, return_final_states=True, cu_seqlens=cu))(upcast(kw))
     assert_close("y", y, y_ref, Y_TOL[BF16])

@@ -262,12 +262,14 @@ fn packed_chunk0_zeroed(case: &SsdCase, mut out: FwdOut) -> FwdOut {
     out
 }
 
-/// Packed sequences (`cu_seqlens`) on CUDA, which runs them on the generic path at every shape (the
-/// selective scan's kernels reset the state at the boundaries): against the references, the host's
-/// results on the same chunk states, and a second run (bitwise). Generic shapes (f32 and bf16, a
-/// long stream that the scans split) and tensor-core shapes (chunk_states in T through an f32
-/// copy in the workspace), random boundaries with empty and length-1 sequences off the chunk grid.
-/// A workspace one byte short of the packed size is refused.
+/// Packed sequences (`cu_seqlens`) on CUDA: against the references, the host's results on the same
+/// chunk states, and a second run (bitwise). Generic shapes (f32 and bf16, a long stream that the
+/// scans split: the selective scan resets the state at the boundaries) and tensor-core shapes (the
+/// forward's windows cut at the boundaries, across the sequence split's parts and pieces; the
+/// backward on the generic path, chunk_states in T through an f32 copy in the workspace): random
+/// boundaries with empty and length-1 sequences off the chunk grid, sequences a few steps long (many
+/// boundaries in a tile), split heads (headdim 128) and widened states (dstate 16, 100). A workspace
+/// one byte short of the packed size is refused.
 #[test]
 #[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
 fn packed_matches_host() {
@@ -314,6 +316,8 @@ fn packed_matches_host() {
             900,
             300,
         ),
+        (SsdCase { dtype: Dt::BF16, groups: 2, ..SsdCase::new(1, 0, 2, 128, 16).all_optional() }, 1200, 9),
+        (SsdCase { dtype: Dt::F16, chunk_size: 256, ..SsdCase::new(1, 0, 3, 64, 100).all_optional() }, 5000, 2500),
     ];
     let double = |t: Tol| Tol { rel_l2: 2.0 * t.rel_l2, rel_max: 2.0 * t.rel_max };
     for (k, (case, total, longest)) in cases.into_iter().enumerate() {

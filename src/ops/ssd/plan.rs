@@ -2,8 +2,9 @@
 //! [`MmaWorkspace`]): which scratch arrays each holds, where, and how many bytes a host passes. Not
 //! behind the `cuda` feature: hosts size the workspace (C API, JAX) without it.
 //! Sizes depend on the shape and the element size only (every optional array is reserved), so a
-//! host can size the workspace before it knows the flags or the device; packed calls (`cu_seqlens`),
-//! which take the generic path at every shape, have sizes of their own (`packed_*_workspace_bytes`).
+//! host can size the workspace before it knows the flags or the device; packed calls (`cu_seqlens`)
+//! have sizes of their own (`packed_*_workspace_bytes`): their states have a row per sequence, and
+//! their backward takes the generic path at every shape.
 
 use super::n_chunks;
 use crate::ops::selective_scan;
@@ -89,7 +90,7 @@ impl Carver {
 }
 
 /// Bytes of the f32 copy of chunk_states the generic path needs where they are in T (where the
-/// tensor-core kernels apply: only packed calls take the generic path there), else 0.
+/// tensor-core kernels apply: only packed backwards take the generic path there), else 0.
 fn chunk_states_f32_bytes(s: &Shape) -> i64 {
     if mma_applies(s) {
         s.batch * s.dim() * n_chunks(s.seqlen, s.chunk_size) * s.dstate * 4
@@ -104,10 +105,10 @@ pub fn fwd_layout(s: &Shape) -> Layout {
     generic_fwd_layout(s, 0)
 }
 
-/// The forward's scratch for a packed call (the generic path at every shape): [`fwd_layout`] plus
-/// the scan's f32 checkpoints where chunk_states are in T.
+/// The forward's scratch for a packed call off the tensor-core shapes (the generic path; the
+/// tensor-core kernels take packed forwards where they apply, [`MmaWorkspace::packed`]).
 pub fn packed_fwd_layout(s: &Shape) -> Layout {
-    generic_fwd_layout(s, chunk_states_f32_bytes(s))
+    generic_fwd_layout(s, 0)
 }
 
 fn generic_fwd_layout(s: &Shape, chunk_states_f32_bytes: i64) -> Layout {
@@ -129,8 +130,8 @@ pub fn bwd_layout(s: &Shape) -> Layout {
     generic_bwd_layout(s, 0)
 }
 
-/// The backward's scratch for a packed call: [`bwd_layout`] plus chunk_states widened to f32 where
-/// they are in T.
+/// The backward's scratch for a packed call (the generic path at every shape): [`bwd_layout`] plus
+/// chunk_states widened to f32 where they are in T.
 pub fn packed_bwd_layout(s: &Shape) -> Layout {
     generic_bwd_layout(s, chunk_states_f32_bytes(s))
 }
@@ -189,10 +190,17 @@ pub fn bwd_workspace_bytes(s: &Shape) -> i64 {
     sane(s).map_or(0, |s| if mma_applies(&s) { MmaWorkspace::new(&s, true).bytes } else { bwd_layout(&s).bytes })
 }
 
-/// Bytes of workspace the CUDA forward needs for a packed call (batch 1): the generic path's, which
-/// packed calls take at every shape.
-pub fn packed_fwd_workspace_bytes(s: &Shape) -> i64 {
-    sane(s).map_or(0, |s| packed_fwd_layout(&s).bytes)
+/// Bytes of workspace the CUDA forward needs for a packed call (batch 1) of `num_seqs` sequences:
+/// the tensor-core path's where it applies (its padded states have a row per sequence), else the
+/// generic path's.
+pub fn packed_fwd_workspace_bytes(s: &Shape, num_seqs: i64) -> i64 {
+    sane(s).map_or(0, |s| {
+        if mma_applies(&s) {
+            MmaWorkspace::packed(&s, num_seqs.max(0)).bytes
+        } else {
+            packed_fwd_layout(&s).bytes
+        }
+    })
 }
 
 /// Bytes of workspace the CUDA backward needs for a packed call (batch 1).
@@ -254,7 +262,16 @@ pub struct MmaWorkspace {
 
 impl MmaWorkspace {
     pub fn new(s: &Shape, backward: bool) -> MmaWorkspace {
-        let (pad, split) = (PadState::new(s, backward), SplitHeads::new(s, backward));
+        MmaWorkspace::with_state_rows(s, s.batch, backward)
+    }
+
+    /// A packed forward's (batch 1, a state row per sequence).
+    pub fn packed(s: &Shape, num_seqs: i64) -> MmaWorkspace {
+        MmaWorkspace::with_state_rows(s, num_seqs, false)
+    }
+
+    fn with_state_rows(s: &Shape, state_rows: i64, backward: bool) -> MmaWorkspace {
+        let (pad, split) = (PadState::new(s, state_rows, backward), SplitHeads::new(s, backward));
         let kernels_at = pad.bytes + split.bytes;
         let m = mma_shape(s);
         let kernels = if backward { mma_bwd_layout(&m).bytes } else { mma_fwd_bytes(&m) };
@@ -278,7 +295,7 @@ pub struct PadState {
     /// (batch, seqlen, groups, dstate) T each.
     pub b: i64,
     pub c: i64,
-    /// (batch, heads, headdim, dstate) f32 each.
+    /// (state rows, heads, headdim, dstate) f32 each: batch rows, or a row per packed sequence.
     pub initial_states: i64,
     pub final_states: i64,
     /// (batch, heads, headdim, n_chunks, dstate) T.
@@ -293,13 +310,13 @@ pub struct PadState {
 }
 
 impl PadState {
-    pub fn new(s: &Shape, backward: bool) -> PadState {
+    pub fn new(s: &Shape, state_rows: i64, backward: bool) -> PadState {
         let dstate = mma_dstate(s.dstate).unwrap_or(s.dstate);
         if dstate == s.dstate {
             return PadState { dstate, ..PadState::default() };
         }
         let bc = s.batch * s.seqlen * s.groups * dstate * s.elem_bytes;
-        let states = s.batch * s.heads * s.headdim * dstate * 4;
+        let states = state_rows * s.heads * s.headdim * dstate * 4;
         let chunks = s.batch * s.heads * s.headdim * n_chunks(s.seqlen, s.chunk_size) * dstate * s.elem_bytes;
         let backward_only = |bytes: i64| if backward { bytes } else { 0 };
         let mut c = Carver::default();
@@ -821,9 +838,9 @@ mod tests {
         let s = Shape { dstate: 16, ..mamba2(8, 2048) };
         assert!(mma_applies(&s) && !mma_applies(&Shape { dstate: 256, ..s }));
         assert_eq!(mma_shape(&s).dstate, 64);
-        assert_eq!(PadState::new(&mamba2(8, 2048), true), PadState { dstate: 128, ..PadState::default() });
+        assert_eq!(PadState::new(&mamba2(8, 2048), 8, true), PadState { dstate: 128, ..PadState::default() });
 
-        let (fwd, bwd) = (PadState::new(&s, false), PadState::new(&s, true));
+        let (fwd, bwd) = (PadState::new(&s, s.batch, false), PadState::new(&s, s.batch, true));
         let (bc, states, chunks) = (8 * 2048 * 64 * 2, 8 * 64 * 64 * 64 * 4, 8 * 64 * 64 * 8 * 64 * 2);
         for (l, backward) in [(fwd, false), (bwd, true)] {
             let grads = if backward { 1 } else { 0 };
@@ -843,12 +860,20 @@ mod tests {
         // Widened state, then split heads, then the kernels' arrays.
         let both = Shape { heads: 32, headdim: 128, ..s };
         let ws = MmaWorkspace::new(&both, true);
-        assert_eq!((ws.pad, ws.split), (PadState::new(&both, true), SplitHeads::new(&both, true)));
+        assert_eq!((ws.pad, ws.split), (PadState::new(&both, both.batch, true), SplitHeads::new(&both, true)));
         assert_eq!((ws.split_at, ws.kernels_at), (ws.pad.bytes, ws.pad.bytes + ws.split.bytes));
         assert_eq!(ws.kernels_bytes, mma_bwd_layout(&mma_shape(&both)).bytes);
         assert_eq!(ws.bytes, ws.kernels_at + ws.kernels_bytes);
         assert_eq!(bwd_workspace_bytes(&both), ws.bytes);
         assert_eq!(fwd_workspace_bytes(&both), MmaWorkspace::new(&both, false).kernels_at + ALIGN);
+        // A packed forward's widened states have a row per sequence.
+        let packed = Shape { batch: 1, seqlen: 3000, ..s };
+        let (one, five) = (MmaWorkspace::packed(&packed, 1), MmaWorkspace::packed(&packed, 5));
+        assert_eq!(one, MmaWorkspace::new(&packed, false));
+        assert_eq!(five.pad, PadState::new(&packed, 5, false));
+        let state_bytes = 64 * 64 * 64 * 4;
+        assert_eq!(five.pad.final_states - five.pad.initial_states, 5 * state_bytes);
+        assert_eq!(packed_fwd_workspace_bytes(&packed, 5), five.bytes);
     }
 
     /// The workspace functions size for the path that runs: where the tensor-core kernels apply the
