@@ -27,6 +27,7 @@ tests=(
   ffi_cuda_decode::decode_step_matches_reference ffi_cuda_decode::state_update_pool_indices_and_out_of_range_skipped
   ffi_cuda_decode::zero_sizes
   packed::cuda_matches_host ffi_cuda_ssd::packed_matches_host conv1d_packed::cuda_matches_cpu
+  ffi_cuda_ssd::packed_invalid_boundaries_stay_in_bounds
 )
 if [ -n "${XLA_SSM_SANITIZE_TESTS:-}" ]; then
   read -r -a tests <<<"$XLA_SSM_SANITIZE_TESTS"

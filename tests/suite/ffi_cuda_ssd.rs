@@ -359,6 +359,46 @@ fn packed_matches_host() {
     }
 }
 
+/// Invalid boundaries, which the CUDA target cannot read before it runs (docs/ssd.md): negative,
+/// past seqlen, decreasing, repeated. The forward (tensor-core windows, and the generic path) and the
+/// backward still run to completion: every index taken from the boundaries is clamped, so nothing
+/// outside the buffers is touched (compute-sanitizer's memcheck shows it, run over this test). The
+/// stream stays usable: a valid call right after matches the reference.
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
+fn packed_invalid_boundaries_stay_in_bounds() {
+    gpu();
+    let stream = Stream::new();
+    let cases = [
+        SsdCase { dtype: Dt::BF16, chunk_size: 128, ..SsdCase::new(1, 0, 2, 64, 128).all_optional() },
+        SsdCase { dtype: Dt::BF16, ..SsdCase::new(1, 0, 2, 64, 64).all_optional() },
+        SsdCase { groups: 2, ..SsdCase::new(1, 0, 4, 16, 16).all_optional() },
+    ];
+    for case in cases {
+        let lens = [0, 90, 1, 200, 37, 0];
+        let valid = SsdProblem::packed(&case, &lens, true);
+        let l = valid.case.seqlen as i32;
+        for cu in [
+            vec![0, -5, l + 700, 3, i32::MIN, i32::MAX, l],
+            vec![l, l - 1, 64, 64, 0, 1, 0],
+            vec![5, 5, 5, 5, 5, 5, 5],
+            vec![0, 200, 100, 300, 50, l, l - 10],
+        ] {
+            let bad = SsdProblem { cu: Some(cu.clone()), ..valid.clone() };
+            let got = gpu_fwd(&bad, stream.ptr()).unwrap_or_else(|(c, m)| panic!("forward, {cu:?} ({c}): {m}"));
+            let cs = got.chunk_states.expect("chunk_states");
+            gpu_bwd(&bad, &cs, stream.ptr()).unwrap_or_else(|(c, m)| panic!("backward, {cu:?} ({c}): {m}"));
+        }
+        let got = gpu_fwd(&valid, stream.ptr()).unwrap_or_else(|(c, m)| panic!("valid forward ({c}): {m}"));
+        check_fwd(
+            &valid.case,
+            &valid.reference(),
+            &packed_chunk0_zeroed(&valid.case, got),
+            valid.case.cuda_states_tol(),
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
 fn zero_sized_dims() {
