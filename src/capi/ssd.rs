@@ -223,7 +223,9 @@ fn ssd_fwd(args: *const XlaSsmSsdFwdArgs, platform: Platform) -> Result<()> {
     let t = tensor;
     let y = t(k.dtype, &k.x_dims, a.y);
     let final_states = t(DType::F32, &k.state_dims, a.final_states as *const c_void);
-    let chunk_states = t(chunk_states_dtype(op, a.chunk_states_dtype, a.chunk_states)?, &k.chunk_dims, a.chunk_states);
+    let rule = crate::ops::ssd::plan::chunk_states_dtype(k.dtype, a.headdim, a.dstate, a.chunk_size);
+    let chunk_states =
+        t(chunk_states_dtype(op, a.chunk_states_dtype, a.chunk_states, rule)?, &k.chunk_dims, a.chunk_states);
     let workspace = workspace(a.workspace, a.workspace_bytes);
     let ssd = validate_fwd(&FwdArgs {
         inputs: k.inputs(),
@@ -243,7 +245,9 @@ fn ssd_bwd(args: *const XlaSsmSsdBwdArgs, platform: Platform) -> Result<()> {
     let k = describe_ssd!(op, a);
     let t = tensor;
     let f32_at = |dims: &[i64], p: *const f32| t(DType::F32, dims, p as *const c_void);
-    let chunk_states = t(chunk_states_dtype(op, a.chunk_states_dtype, a.chunk_states)?, &k.chunk_dims, a.chunk_states);
+    let rule = crate::ops::ssd::plan::chunk_states_dtype(k.dtype, a.headdim, a.dstate, a.chunk_size);
+    let chunk_states =
+        t(chunk_states_dtype(op, a.chunk_states_dtype, a.chunk_states, rule)?, &k.chunk_dims, a.chunk_states);
     let dy = t(k.dtype, &k.x_dims, a.dy);
     let dfinal_states = f32_at(&k.state_dims, a.dfinal_states);
     let (dx, ddt) = (t(k.dtype, &k.x_dims, a.dx), t(k.dtype, &k.dt_dims, a.ddt));
@@ -274,10 +278,11 @@ fn ssd_bwd(args: *const XlaSsmSsdBwdArgs, platform: Platform) -> Result<()> {
 }
 
 /// The dtype a caller declares for `chunk_states`; validation then holds it to the rule
-/// ([`xla_ssm_ssd_chunk_states_dtype`]). Where the pointer is NULL the field is unused (any value).
-fn chunk_states_dtype<P>(op: &str, code: XlaSsmDtype, ptr: *const P) -> Result<DType> {
+/// ([`xla_ssm_ssd_chunk_states_dtype`]). Where the pointer is NULL the field is unused (any value):
+/// the rule's dtype stands in, so that the backward's validation names the NULL, not a dtype.
+fn chunk_states_dtype<P>(op: &str, code: XlaSsmDtype, ptr: *const P, rule: DType) -> Result<DType> {
     if ptr.is_null() {
-        return Ok(DType::F32);
+        return Ok(rule);
     }
     dtype_of(op, code, "chunk_states_dtype")
 }

@@ -865,6 +865,15 @@ fn shape_expect(s: &Setup, ret: bool, i: usize, dims: &[i64]) -> Expect {
             return either(&[SHAPE]); // another width, and nothing else sized by it
         }
     }
+    if matches!(s.op, Op::CarryFwd | Op::CarryBwd) && !ret && name == "C" && dims.len() == 4 {
+        // The carry targets take C without B: another group count dividing dim is another valid call.
+        let (c, g) = (&s.operand_entry("C").dims, if s.bld() { 2 } else { 1 });
+        let dim = s.operand_entry("A").dims[0];
+        let others_kept = (0..4).all(|k| k == g || dims[k] == c[k]);
+        if others_kept && dims[g] >= 1 && dim % dims[g] == 0 {
+            return either(&[SHAPE]);
+        }
+    }
     if s.op == Op::SsdFwd && !ret && name == "D" {
         let x = s.operand_entry("x");
         if dims == [x.dims[2]] || dims == [x.dims[2], x.dims[3]] {
@@ -888,6 +897,10 @@ fn dtype_expect(s: &Setup, ret: bool, i: usize, dtype: i32) -> Expect {
     let bias = s.operand("bias").is_some() || s.operand("conv_bias").is_some();
     if !ret && weight && !bias && (dtype == F32 || dtype == s.operand_entry("x").dtype) {
         return Expect::Ok; // the weight is f32 or x's dtype; the bias would have to match it
+    }
+    let carry_c = matches!(s.op, Op::CarryFwd | Op::CarryBwd) && !ret && name == "C";
+    if carry_c && (dtype == F32 || dtype == s.operand_entry("delta").dtype) {
+        return Expect::Ok; // C without B: f32 or the inputs' dtype, as the scan's B and C
     }
     invalid(&[&["dtype"]])
 }
@@ -2737,7 +2750,10 @@ fn sizers_and_registration_refuse_bad_arguments() {
                 // The workspace sizers: -1 and a message naming the problem, or a size and no message.
                 let (name, args, dtype, got) = if which < 2 {
                     let base = *pick(&mut rng, &scans);
-                    let args: Vec<i64> = base.iter().map(|&v| mutate(&mut rng, v)).collect();
+                    let mut args: Vec<i64> = base.iter().map(|&v| mutate(&mut rng, v)).collect();
+                    if which == 0 {
+                        args.truncate(4); // the forward's sizer takes no groups
+                    }
                     let got = if which == 0 {
                         xla_ssm_selective_scan_fwd_workspace_bytes(args[0], args[1], args[2], args[3])
                     } else {
