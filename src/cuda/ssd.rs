@@ -261,14 +261,14 @@ fn expand(g: &GlueParams, dtype: DType, stream: *mut c_void) -> Result<()> {
     unsafe { launch(stream, MODULE, &kernel, grid_stride(p.rows() * p.headdim), g) }
 }
 
-/// The generic path's layout and its workspace sizer: packed calls have their own (with the f32
-/// copy of chunk_states where those are in T).
+/// The generic path's layout and its workspace sizer: packed calls have their own sizers (the
+/// backward's layout with the f32 copy of chunk_states where those are in T).
 fn generic_layout(p: &SsdParams, dtype: DType, backward: bool) -> (Layout, &'static str) {
     let s = shape(p, dtype);
     match (p.packed(), backward) {
         (false, false) => (plan::fwd_layout(&s), "xla_ssm_ssd_fwd_workspace_bytes"),
         (false, true) => (plan::bwd_layout(&s), "xla_ssm_ssd_bwd_workspace_bytes"),
-        (true, false) => (plan::packed_fwd_layout(&s), "xla_ssm_ssd_packed_fwd_workspace_bytes"),
+        (true, false) => (plan::fwd_layout(&s), "xla_ssm_ssd_packed_fwd_workspace_bytes"),
         (true, true) => (plan::packed_bwd_layout(&s), "xla_ssm_ssd_packed_bwd_workspace_bytes"),
     }
 }

@@ -60,7 +60,7 @@ pub struct Layout {
     pub scan: i64,
     pub scan_bytes: i64,
     /// (batch, dim, n_chunks, dstate) f32: the scan's checkpoints where chunk_states are in T
-    /// (packed calls at the tensor-core shapes); empty elsewhere.
+    /// (packed backwards at the tensor-core shapes); empty elsewhere.
     pub chunk_states_f32: i64,
     pub bytes: i64,
 }
@@ -100,18 +100,9 @@ fn chunk_states_f32_bytes(s: &Shape) -> i64 {
 }
 
 /// The forward's scratch: delta, A, D and dt_bias per channel, then the scan's optional workspace
-/// (its sequence split).
+/// (its sequence split). A packed call's too, at batch 1 (the generic path reads chunk_states in
+/// f32 only: packed forwards at the tensor-core shapes take [`MmaWorkspace::packed`]).
 pub fn fwd_layout(s: &Shape) -> Layout {
-    generic_fwd_layout(s, 0)
-}
-
-/// The forward's scratch for a packed call off the tensor-core shapes (the generic path; the
-/// tensor-core kernels take packed forwards where they apply, [`MmaWorkspace::packed`]).
-pub fn packed_fwd_layout(s: &Shape) -> Layout {
-    generic_fwd_layout(s, 0)
-}
-
-fn generic_fwd_layout(s: &Shape, chunk_states_f32_bytes: i64) -> Layout {
     let (dim, rows) = (s.dim(), s.batch * s.seqlen);
     let mut c = Carver::default();
     let delta = c.take(rows * dim * s.elem_bytes);
@@ -120,8 +111,7 @@ fn generic_fwd_layout(s: &Shape, chunk_states_f32_bytes: i64) -> Layout {
     let dt_bias = c.take(dim * 4);
     let scan_bytes = selective_scan::workspace_bytes(s.batch, dim, s.seqlen, s.dstate);
     let scan = c.take(scan_bytes);
-    let chunk_states_f32 = c.take(chunk_states_f32_bytes);
-    Layout { delta, a, d, dt_bias, scan, scan_bytes, chunk_states_f32, bytes: c.total(), ..Layout::default() }
+    Layout { delta, a, d, dt_bias, scan, scan_bytes, bytes: c.total(), ..Layout::default() }
 }
 
 /// The backward's scratch: the forward's per-channel inputs, the scan's per-channel gradients of
@@ -191,14 +181,14 @@ pub fn bwd_workspace_bytes(s: &Shape) -> i64 {
 }
 
 /// Bytes of workspace the CUDA forward needs for a packed call (batch 1) of `num_seqs` sequences:
-/// the tensor-core path's where it applies (its padded states have a row per sequence), else the
-/// generic path's.
+/// the tensor-core path's where it applies (its widened states have a row per sequence), else the
+/// generic path's at batch 1.
 pub fn packed_fwd_workspace_bytes(s: &Shape, num_seqs: i64) -> i64 {
     sane(s).map_or(0, |s| {
         if mma_applies(&s) {
             MmaWorkspace::packed(&s, num_seqs.max(0)).bytes
         } else {
-            packed_fwd_layout(&s).bytes
+            fwd_layout(&s).bytes
         }
     })
 }
