@@ -235,7 +235,9 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit
                 const float2 xv = O::unpack2(*at);
                 float v0 = y[j][2 * half] + dskip[j][0] * xv.x;
                 float v1 = y[j][2 * half + 1] + dskip[j][1] * xv.y;
-                if (GATED && win.inside(row)) {
+                // (PACKED: every row, without a branch; z_pre is 0 past the window, whose rows are
+                // not stored. A branch per row made ptxas issue each silu alone.)
+                if (GATED && (PACKED || win.inside(row))) {
                     const float2 zv = O::unpack2(PACKED ? z_pre[half][j] : *reinterpret_cast<const T2*>(z_row + 8 * j));
                     v0 *= silu_fast(zv.x);  // exact expf and division: 637 us instead of 538
                     v1 *= silu_fast(zv.y);
