@@ -159,7 +159,7 @@ template <typename T, int N, bool LOCAL, bool PARTIALS> struct BwdBlock : BwdLau
             } else {
                 load_dt_f32<T>(p, b, h, t0, dt.raw);
             }
-            tile_scalars(sm.sc, p, dt_bias, a_log2, t0, dt.raw);
+            tile_scalars(sm.sc, p, dt_bias, a_log2, t0, dt.raw, true, -1, true);
         }
         asm volatile("cp.async.wait_group 0;" ::: "memory");
         __syncthreads();

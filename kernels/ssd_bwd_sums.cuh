@@ -37,8 +37,12 @@ template <typename T> __device__ __forceinline__ void chunk_scalars(const SsdBwd
             load_dt_f32<T>(p, b, h, t0, raw);
 #pragma unroll
             for (int e = 0; e < 2; ++e) dt[e] = t0 + 2 * lane + e < p.seqlen ? ssd_dt(p, raw[e], dt_bias) : 0.f;
-            const float a1 = dt[1] * a_log2;
-            float run = dt[0] * a_log2 + a1;
+            float a0 = dt[0] * a_log2, a1 = dt[1] * a_log2;
+            if (p.cu_seqlens) {  // the packed backward's cut (TileCum)
+                a0 += boundary_cut(p, t0 + 2 * lane);
+                a1 += boundary_cut(p, t0 + 2 * lane + 1);
+            }
+            float run = a0 + a1;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
                 const float other = __shfl_up_sync(0xffffffffu, run, o);

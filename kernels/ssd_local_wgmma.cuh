@@ -51,7 +51,7 @@ __device__ __forceinline__ void local_sum_wgmma(const SsdParams& p, int64_t b, i
                                                 const void* v, int64_t tile_begin, int64_t tile_end, float* record,
                                                 float* record_decay) {
     static_assert(N == 128, "the first passes on wgmma take dstate 128");
-    static_assert(SUFFIX || !PACKED, "the backward takes no packed sequences");
+    static_assert(SUFFIX || !PACKED, "a packed backward comes as cuts in its decays (TileCum), not windows");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     LocalSmem<T, N>& sm = *reinterpret_cast<LocalSmem<T, N>*>(wgmma::align_1024(smem_raw));
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -84,7 +84,7 @@ __device__ __forceinline__ void local_sum_wgmma(const SsdParams& p, int64_t b, i
     // This warp's tile of a batch: its weights from its dt, which was loaded a batch before.
     T dt_raw[2];
     auto form_weights = [&](int64_t i) {
-        const TileCum c(p, dt_bias, a_log2, t0_of(i), dt_raw, PACKED ? from : 0, p.seqlen);
+        const TileCum c(p, dt_bias, a_log2, t0_of(i), dt_raw, PACKED ? from : 0, p.seqlen, !SUFFIX);
         LocalWeights& out = sm.wt[(i / kLocalBatch) & 1][i % kLocalBatch];
         float w[2];
 #pragma unroll

@@ -170,10 +170,30 @@ __device__ __forceinline__ void load_dt_f32(const SsdParams& p, int64_t b, int64
     for (int e = 0; e < 2; ++e) raw[e] = to_f32(stored[e]);
 }
 
+// The packed backward's cut (docs/ssd.md, "Packed sequences"): a log2 decay added at the first step
+// of every sequence but the first, so that 2^(cum_t - cum_s) underflows to exactly 0 across it and
+// nothing before a boundary reaches past it. Large enough to zero any decay a tile or chunk holds
+// on the far side; small enough that cum keeps ~2^-14 absolute precision past a few of them.
+constexpr float kBoundaryCut = -512.f;
+// kBoundaryCut when step t (0 < t < seqlen) starts a packed sequence, else 0: a lower bound over the
+// boundaries cu_seqlens[1..num_seqs-1], clamped to [0, seqlen] as the forward's windows take them (so
+// invalid ones end the search and index only inside the array).
+__device__ __forceinline__ float boundary_cut(const SsdParams& p, int64_t t) {
+    auto at = [&](int64_t k) { return min(max(int64_t(p.cu_seqlens[k]), int64_t(0)), p.seqlen); };
+    int64_t lo = 1, hi = p.num_seqs;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (at(mid) < t) lo = mid + 1;
+        else hi = mid;
+    }
+    return t > 0 && t < p.seqlen && lo < p.num_seqs && at(lo) == t ? kBoundaryCut : 0.f;
+}
+
 // One warp's running sum of dt * A (log2 units) through a tile from its raw dt (load_dt: T, or f32):
 // lane l owns steps 2l and 2l + 1, with dt after bias/softplus/clamp (0 outside the steps [lo, hi),
 // by default the sequence: such steps neither decay nor add), cum[e] the sum through step 2l + e,
-// `last` the tile's total. (A packed forward's windows end at sequence boundaries: ssd_fwd_common.cuh.)
+// `last` the tile's total. (A packed forward's windows end at sequence boundaries: ssd_fwd_common.cuh.
+// A packed backward, `cut`, adds boundary_cut at their first steps.)
 struct TileCum {
     float dt[2], cum[2], last;
     template <typename R>
@@ -181,7 +201,7 @@ struct TileCum {
         : TileCum(p, dt_bias, a_log2, t0, raw, 0, p.seqlen) {}
     template <typename R>
     __device__ __forceinline__ TileCum(const SsdParams& p, float dt_bias, float a_log2, int64_t t0, const R (&raw)[2],
-                                       int64_t lo, int64_t hi) {
+                                       int64_t lo, int64_t hi, bool cut = false) {
         const int lane = threadIdx.x & 31;
         float a[2];
 #pragma unroll
@@ -189,6 +209,7 @@ struct TileCum {
             const int64_t t = t0 + 2 * lane + e;
             dt[e] = t >= lo && t < hi ? ssd_dt(p, to_f32(raw[e]), dt_bias) : 0.f;
             a[e] = dt[e] * a_log2;
+            if (cut && p.cu_seqlens) a[e] += boundary_cut(p, t);
         }
         float run = a[0] + a[1];
 #pragma unroll
@@ -203,12 +224,13 @@ struct TileCum {
 };
 
 // One warp turns the raw dt of a tile into its scalars, stored when `store`; steps from `end` on (by
-// default the sequence's end) are padding.
+// default the sequence's end) are padding; `cut`: the packed backward's (TileCum).
 template <typename R>
 __device__ __forceinline__ void tile_scalars(TileScalars& out, const SsdParams& p, float dt_bias, float a_log2,
-                                             int64_t t0, const R (&raw)[2], bool store = true, int64_t end = -1) {
+                                             int64_t t0, const R (&raw)[2], bool store = true, int64_t end = -1,
+                                             bool cut = false) {
     const int lane = threadIdx.x & 31;
-    const TileCum c(p, dt_bias, a_log2, t0, raw, 0, end < 0 ? p.seqlen : end);
+    const TileCum c(p, dt_bias, a_log2, t0, raw, 0, end < 0 ? p.seqlen : end, cut);
     if (!store) return;
     const float c0 = c.cum[0], c1 = c.cum[1];
     out.cd[lane] = make_float4(c0, c.dt[0], c1, c.dt[1]);

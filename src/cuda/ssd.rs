@@ -7,10 +7,12 @@
 //!
 //! Packed sequences (`cu_seqlens`): the tensor-core forward cuts its tiles at the boundaries and
 //! resets the state between them (kernels/ssd_fwd_common.cuh, `Windows`); its states have a row per
-//! sequence. The backward takes the generic path at every shape: the selective scan resets the state
-//! at the boundaries, while the tensor-core backward has no boundaries yet. Where chunk_states are in
-//! T (the tensor-core shapes) its f32 checkpoints pass through an f32 copy in the workspace, widened
-//! before the backward, as on the CPU.
+//! sequence. The tensor-core backward takes a packed call without initial states or final-state
+//! cotangents (a training step's): a decay of 2^-512 at each sequence's first step stops everything
+//! at the boundary (kernels/ssd_mma.cuh, `boundary_cut`), as the zero state the forward restarts from
+//! does. With states, the generic path runs: the selective scan resets the state at the boundaries;
+//! where chunk_states are in T (the tensor-core shapes) its f32 checkpoints pass through an f32 copy
+//! in the workspace, widened before the backward, as on the CPU.
 
 use super::ssd_mma;
 use super::{launch, LaunchConfig};
@@ -72,7 +74,9 @@ pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
 pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
     let p = &bwd.params().fwd;
     let shape = shape(p, bwd.dtype());
-    if p.packed() || !plan::mma_applies(&shape) {
+    let q = bwd.params();
+    let with_states = !p.initial_states.is_null() || !q.dfinal_states.is_null();
+    if !plan::mma_applies(&shape) || (p.packed() && with_states) {
         return generic_bwd(bwd, stream);
     }
     if !ssd_mma::bwd_aligned(&bwd.params()) {
@@ -82,7 +86,8 @@ pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
         ));
     }
     let ws = plan::MmaWorkspace::new(&shape, true);
-    let base = workspace_at("ssd_bwd", p, ws.bytes, "xla_ssm_ssd_bwd_workspace_bytes")?;
+    let sizer = if p.packed() { "xla_ssm_ssd_packed_bwd_workspace_bytes" } else { "xla_ssm_ssd_bwd_workspace_bytes" };
+    let base = workspace_at("ssd_bwd", p, ws.bytes, sizer)?;
     let at = |offset: i64| base.wrapping_add(offset as usize);
     let (mut run, dtype) = (*bwd, bwd.dtype());
     let pad = (ws.pad.dstate != p.dstate).then(|| PaddedState::carve(bwd, &ws.pad, base));

@@ -363,8 +363,8 @@ def test_packed_forward(dtype):
 ])
 def test_packed_tensor_core_shape(lens, headdim, dstate, chunk):
     """bf16 at the CUDA tensor-core shapes: chunk_states in bf16; there the forward of a packed call
-    runs on the tensor-core kernels (its tiles cut at the boundaries), its backward on the generic
-    path; gradients too."""
+    runs on the tensor-core kernels (its tiles cut at the boundaries), its backward with states on the
+    generic path, without on the tensor-core kernels; gradients both ways."""
     kw, cu = make_packed(61, lens, heads=2, headdim=headdim, dstate=dstate, groups=1, dtype=BF16)
     static = dict(chunk_size=chunk, dt_softplus=True)
     y, s = ours(**kw, **static, return_final_states=True, cu_seqlens=cu)
@@ -372,16 +372,23 @@ def test_packed_tensor_core_shape(lens, headdim, dstate, chunk):
     assert_close("y", y, y_ref, Y_TOL[BF16])
     assert_close("final_states", s, s_ref, STATE_TOL[BF16])
     check_packed_grads(kw, cu, static)
+    # Without states (a training step's gradients): on CUDA the tensor-core backward, its decays cut
+    # at the boundaries.
+    check_packed_grads({k: v for k, v in kw.items() if k != "initial_states"}, cu, static, states=False)
 
 
-def check_packed_grads(kw, cu, static, seed=0):
+def check_packed_grads(kw, cu, static, seed=0, states=True):
+    """Gradients of sum(y w) (+ sum(final_states v) with `states`) against the reference's."""
     dtype = np.dtype(kw["x"].dtype)
     rng = np.random.default_rng(seed)
     w = rng.standard_normal(kw["x"].shape).astype(dtype).astype(np.float32)
-    v = rng.standard_normal((len(cu) - 1, *kw["initial_states"].shape[1:])).astype(np.float32)
+    heads, headdim, dstate = kw["x"].shape[2], kw["x"].shape[3], kw["B"].shape[3]
+    v = rng.standard_normal((len(cu) - 1, heads, headdim, dstate)).astype(np.float32)
 
     def loss(scan):
         def f(a):
+            if not states:
+                return jnp.sum(scan(**a, **static, cu_seqlens=cu).astype(jnp.float32) * w)
             y, s = scan(**a, **static, return_final_states=True, cu_seqlens=cu)
             return jnp.sum(y.astype(jnp.float32) * w) + jnp.sum(s * v)
 

@@ -266,7 +266,8 @@ fn packed_chunk0_zeroed(case: &SsdCase, mut out: FwdOut) -> FwdOut {
 /// chunk states, and a second run (bitwise). Generic shapes (f32 and bf16, a long stream that the
 /// scans split: the selective scan resets the state at the boundaries) and tensor-core shapes (the
 /// forward's windows cut at the boundaries, across the sequence split's parts and pieces; the
-/// backward on the generic path, chunk_states in T through an f32 copy in the workspace): random
+/// backward with states on the generic path, chunk_states in T through an f32 copy in the workspace,
+/// and without on the tensor-core kernels, their decays cut at the boundaries): random
 /// boundaries with empty and length-1 sequences off the chunk grid, sequences a few steps long (many
 /// boundaries in a tile), split heads (headdim 128) and widened states (dstate 16, 100). A workspace
 /// one byte short of the packed size is refused.
@@ -318,12 +319,39 @@ fn packed_matches_host() {
         ),
         (SsdCase { dtype: Dt::BF16, groups: 2, ..SsdCase::new(1, 0, 2, 128, 16).all_optional() }, 1200, 9),
         (SsdCase { dtype: Dt::F16, chunk_size: 256, ..SsdCase::new(1, 0, 3, 64, 100).all_optional() }, 5000, 2500),
+        // Without states: the tensor-core backward (its decays cut at the boundaries). Split heads,
+        // many boundaries a tile; mma.sync at dstate 64 with 2 groups; a widened dstate.
+        (
+            SsdCase {
+                dtype: Dt::BF16,
+                has_initial_states: false,
+                dt_limit: CLAMP,
+                ..SsdCase::new(1, 0, 2, 128, 128).all_optional()
+            },
+            1200,
+            9,
+        ),
+        (
+            SsdCase {
+                dtype: Dt::F16,
+                groups: 2,
+                chunk_size: 128,
+                d: DForm::PerChannel,
+                has_initial_states: false,
+                ..SsdCase::new(1, 0, 4, 64, 64).all_optional()
+            },
+            3000,
+            700,
+        ),
+        (SsdCase { dtype: Dt::BF16, chunk_size: 256, ..SsdCase::new(1, 0, 2, 64, 16) }, 2500, 300),
     ];
     let double = |t: Tol| Tol { rel_l2: 2.0 * t.rel_l2, rel_max: 2.0 * t.rel_max };
     for (k, (case, total, longest)) in cases.into_iter().enumerate() {
         let lens = crate::ssd_packed::lengths(&mut rng, total, longest);
         let case = SsdCase { seed: 900 + k as u64, ..case };
-        let p = SsdProblem::packed(&case, &lens, k % 2 == 0);
+        // dfinal_states on every other case, but not where the tensor-core backward is meant to run.
+        let tensor_core_bwd = !case.has_initial_states && case.dtype != Dt::F32;
+        let p = SsdProblem::packed(&case, &lens, k % 2 == 0 && !tensor_core_bwd);
         let case = &p.case;
         let got = gpu_fwd(&p, stream.ptr()).unwrap_or_else(|(c, m)| panic!("CUDA forward failed ({c}): {m}\n{case:?}"));
         let cs = got.chunk_states.clone().expect("chunk_states");

@@ -449,7 +449,8 @@ fn packed_workspace_sizes() {
         );
     }
     // ...and at them: the forward's the tensor-core path's (as unpacked at a kernel dstate; a widened
-    // state has a row per sequence), the backward's the generic path's plus an f32 copy of chunk_states.
+    // state has a row per sequence), the backward's the larger of the generic path's plus an f32 copy
+    // of chunk_states (calls with states) and the tensor-core path's (without).
     let (l, h, q) = (1000i64, 4i64, 128i64);
     let f32_states = h * 64 * ((l + q - 1) / q) * 128 * 4;
     let fwd = xla_ssm_ssd_packed_fwd_workspace_bytes(l, 3, h, 64, 128, 1, q, bf16);
@@ -459,6 +460,7 @@ fn packed_workspace_sizes() {
     assert_eq!(widened(3) - widened(1), 2 * 2 * h * 64 * 128 * 4, "initial and final states, 2 more rows");
     let bwd = xla_ssm_ssd_packed_bwd_workspace_bytes(l, 3, h, 64, 128, 1, q, bf16);
     assert!(bwd >= f32_states, "{bwd} {f32_states}");
+    assert!(bwd >= xla_ssm_ssd_bwd_workspace_bytes(1, l, h, 64, 128, 1, q, bf16));
     // Refused as a call would be.
     assert_eq!(xla_ssm_ssd_packed_fwd_workspace_bytes(l, -1, h, 64, 128, 1, q, bf16), -1);
     assert!(crate::c_api::last_error().contains("non-negative"));

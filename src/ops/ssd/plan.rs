@@ -4,7 +4,7 @@
 //! Sizes depend on the shape and the element size only (every optional array is reserved), so a
 //! host can size the workspace before it knows the flags or the device; packed calls (`cu_seqlens`)
 //! have sizes of their own (`packed_*_workspace_bytes`): their states have a row per sequence, and
-//! their backward takes the generic path at every shape.
+//! their backward takes the generic path when it has states, so its size covers both paths.
 
 use super::n_chunks;
 use crate::ops::selective_scan;
@@ -193,9 +193,17 @@ pub fn packed_fwd_workspace_bytes(s: &Shape, num_seqs: i64) -> i64 {
     })
 }
 
-/// Bytes of workspace the CUDA backward needs for a packed call (batch 1).
+/// Bytes of workspace the CUDA backward needs for a packed call (batch 1): the generic path's (with
+/// states), and where the tensor-core kernels apply, enough for theirs too (without).
 pub fn packed_bwd_workspace_bytes(s: &Shape) -> i64 {
-    sane(s).map_or(0, |s| packed_bwd_layout(&s).bytes)
+    sane(s).map_or(0, |s| {
+        let generic = packed_bwd_layout(&s).bytes;
+        if mma_applies(&s) {
+            generic.max(MmaWorkspace::new(&s, true).bytes)
+        } else {
+            generic
+        }
+    })
 }
 
 /// Steps per tile of the tensor-core forward (kernels/ssd_fwd.cu).
