@@ -116,7 +116,7 @@ struct Windows {
             fetch();
         }
     }
-    __device__ __forceinline__ int64_t boundary(int64_t s) const { return min(max(int64_t(cu[s]), int64_t(0)), seqlen); }
+    __device__ __forceinline__ int64_t boundary(int64_t s) const { return clamped_boundary(cu, seqlen, s); }
     __device__ __forceinline__ void fetch() { at = k <= n_seqs ? boundary(k) : INT64_MAX; }
     __device__ __forceinline__ void pass() {
         ++k;
@@ -124,13 +124,7 @@ struct Windows {
     }
     // The first s in 0..=n_seqs whose boundary is at least `t`; n_seqs + 1 if none.
     __device__ __forceinline__ int64_t search(int64_t t) const {
-        int64_t lo = 0, hi = n_seqs + 1;
-        while (lo < hi) {
-            const int64_t mid = (lo + hi) / 2;
-            if (boundary(mid) < t) lo = mid + 1;
-            else hi = mid;
-        }
-        return lo;
+        return first_boundary_at_or_after(cu, seqlen, t, 0, n_seqs + 1);
     }
     // The end of the window that starts at step t0 (< seqlen; never less than the last call's).
     __device__ __forceinline__ int64_t end(int64_t t0) {

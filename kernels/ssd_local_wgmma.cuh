@@ -43,9 +43,10 @@ template <typename T, int N> __host__ __device__ constexpr int local_shared_byte
 // tile, tiles last to first; else the backward's 2^cum_t, first to last. Writes the (kP x N) sum to
 // `record` (f32, row-major) and the total decay to *record_decay.
 //
-// Packed sequences (the forward; the backward takes none): a piece in which a sequence starts sums only
-// from the last such start on, adds that sequence's initial state decayed through the piece, and
-// records the decay as -inf (nothing before the start passes through).
+// Packed sequences, PACKED (the forward; a packed backward's decays carry cuts instead, TileCum): a
+// piece in which a sequence starts sums only from the last such start on, adds that sequence's
+// initial state decayed through the piece, and records the decay as -inf (nothing before the start
+// passes through).
 template <typename T, int N, bool SUFFIX, bool PACKED = false>
 __device__ __forceinline__ void local_sum_wgmma(const SsdParams& p, int64_t b, int64_t h, int64_t g, const void* u,
                                                 const void* v, int64_t tile_begin, int64_t tile_end, float* record,

@@ -170,23 +170,34 @@ __device__ __forceinline__ void load_dt_f32(const SsdParams& p, int64_t b, int64
     for (int e = 0; e < 2; ++e) raw[e] = to_f32(stored[e]);
 }
 
+// Boundary s of a packed call (cu_seqlens[s]), clamped to [0, seqlen]: the CUDA target cannot check
+// the boundaries, so invalid ones must still index only inside the buffers.
+__device__ __forceinline__ int64_t clamped_boundary(const int32_t* cu, int64_t seqlen, int64_t s) {
+    return min(max(int64_t(cu[s]), int64_t(0)), seqlen);
+}
+// The first s in [lo, hi) whose clamped boundary is at least t, hi if none (the boundaries taken as
+// sorted: invalid ones still end the search inside [lo, hi)).
+__device__ __forceinline__ int64_t first_boundary_at_or_after(const int32_t* cu, int64_t seqlen, int64_t t, int64_t lo,
+                                                              int64_t hi) {
+    while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (clamped_boundary(cu, seqlen, mid) < t) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
 // The packed backward's cut (docs/ssd.md, "Packed sequences"): a log2 decay added at the first step
 // of every sequence but the first, so that 2^(cum_t - cum_s) underflows to exactly 0 across it and
 // nothing before a boundary reaches past it. Large enough to zero any decay a tile or chunk holds
 // on the far side; small enough that cum keeps ~2^-14 absolute precision past a few of them.
 constexpr float kBoundaryCut = -512.f;
-// kBoundaryCut when step t (0 < t < seqlen) starts a packed sequence, else 0: a lower bound over the
-// boundaries cu_seqlens[1..num_seqs-1], clamped to [0, seqlen] as the forward's windows take them (so
-// invalid ones end the search and index only inside the array).
+// kBoundaryCut when step t (0 < t < seqlen) starts a packed sequence, else 0: a search of the
+// boundaries cu_seqlens[1..num_seqs-1], clamped as the forward's windows take them.
 __device__ __forceinline__ float boundary_cut(const SsdParams& p, int64_t t) {
-    auto at = [&](int64_t k) { return min(max(int64_t(p.cu_seqlens[k]), int64_t(0)), p.seqlen); };
-    int64_t lo = 1, hi = p.num_seqs;
-    while (lo < hi) {
-        const int64_t mid = (lo + hi) / 2;
-        if (at(mid) < t) lo = mid + 1;
-        else hi = mid;
-    }
-    return t > 0 && t < p.seqlen && lo < p.num_seqs && at(lo) == t ? kBoundaryCut : 0.f;
+    const int64_t k = first_boundary_at_or_after(p.cu_seqlens, p.seqlen, t, 1, p.num_seqs);
+    return t > 0 && t < p.seqlen && k < p.num_seqs && clamped_boundary(p.cu_seqlens, p.seqlen, k) == t ? kBoundaryCut
+                                                                                                        : 0.f;
 }
 
 // One warp's running sum of dt * A (log2 units) through a tile from its raw dt (load_dt: T, or f32):

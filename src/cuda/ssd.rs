@@ -79,7 +79,7 @@ pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
     if !plan::mma_applies(&shape) || (p.packed() && with_states) {
         return generic_bwd(bwd, stream);
     }
-    if !ssd_mma::bwd_aligned(&bwd.params()) {
+    if !ssd_mma::bwd_aligned(&q) {
         return Err(Error::invalid(
             "ssd_bwd: the CUDA target takes x, B, C and dy 16-byte aligned, z, y, dx and dz 4-byte aligned, the \
              states 8-byte aligned (XLA's buffers always are)",

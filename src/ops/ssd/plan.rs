@@ -120,8 +120,8 @@ pub fn bwd_layout(s: &Shape) -> Layout {
     generic_bwd_layout(s, 0)
 }
 
-/// The backward's scratch for a packed call (the generic path at every shape): [`bwd_layout`] plus
-/// chunk_states widened to f32 where they are in T.
+/// The backward's scratch for a packed call on the generic path (one with states): [`bwd_layout`]
+/// plus chunk_states widened to f32 where they are in T.
 pub fn packed_bwd_layout(s: &Shape) -> Layout {
     generic_bwd_layout(s, chunk_states_f32_bytes(s))
 }
