@@ -4,14 +4,14 @@ of the lax.scan reference, vmap (folded into one call), extra leading dims, and 
 
 from __future__ import annotations
 
-import itertools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import xla_ssm
-from test_selective_scan_jax import BF16, F32, assert_close, make_case, upcast
+from test_selective_scan_jax import BF16, F32, OPTIONS, assert_close, make_case, upcast
 from xla_ssm import _scan
 
 
@@ -99,15 +99,7 @@ def test_grad_bf16(bc, bc_dtype, layout):
     check_grads(kw, final=True)
 
 
-OPTIONS = list(itertools.product([False, True], repeat=5))
-
-
-@pytest.mark.compat
-@pytest.mark.parametrize(
-    "d,z,bias,h0,softplus",
-    OPTIONS,
-    ids=["".join(f"{n}{int(v)}" for n, v in zip(("D", "z", "b", "h", "sp"), o)) for o in OPTIONS],
-)
+@pytest.mark.parametrize("d,z,bias,h0,softplus", OPTIONS)
 def test_grad_options(d, z, bias, h0, softplus):
     # Layout and return_final_state vary with the options instead of multiplying the count (every
     # pair of values meets); the layouts get their own shapes sweep above.
@@ -117,16 +109,26 @@ def test_grad_options(d, z, bias, h0, softplus):
     check_grads(kw, final=final)
 
 
-def test_final_state_cotangent_alone():
-    """A loss of the final state only: dfinal_state alone drives every gradient."""
+@pytest.mark.parametrize("used", ["out", "final_state"])
+def test_one_result_in_the_loss(used):
+    """return_final_state=True and a loss of one result: the other's cotangent is a symbolic zero.
+    An unused final state passes no dfinal_state to the backward; a final state alone drives every
+    gradient (the output's cotangent is zeros)."""
     kw = make_case(23, 2, 4, 70, 8, 1)
     arrays, static = split(kw)
-    v = np.random.default_rng(0).standard_normal((2, 4, 8)).astype(np.float32)
+    w, v = cotangents(0, kw, F32)
 
     def loss(scan):
-        return lambda a: jnp.sum(scan(**a, **static, return_final_state=True)[1] * v)
+        def f(a):
+            out, h = scan(**a, **static, return_final_state=True)
+            return jnp.sum(out * w) if used == "out" else jnp.sum(h * v)
 
-    ours = jax.jit(jax.grad(loss(xla_ssm.selective_scan)))(arrays)
+        return f
+
+    grad = jax.jit(jax.grad(loss(xla_ssm.selective_scan)))
+    passed = re.findall(r"has_dfinal_state = (\w+)", grad.lower(arrays).as_text())
+    assert passed == [str(used == "final_state").lower()]
+    ours = grad(arrays)
     want = jax.jit(jax.grad(loss(ref_scan)))(arrays)
     for k in arrays:
         assert_close(f"d{k}", ours[k], want[k], GRAD_TOL[F32])

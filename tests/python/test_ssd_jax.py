@@ -7,6 +7,8 @@ Run: PYTHONPATH=bindings/python XLA_SSM_LIBRARY=target/release/libxla_ssm.so pyt
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,16 +193,28 @@ def test_chunk_states_in_dtype_at_tensor_core_shapes():
     check_grads(kw, static)
 
 
-def test_grad_without_final_states():
-    """Only y in the loss: the backward runs without dfinal_states."""
+@pytest.mark.parametrize("returned", ["y", "y-and-unused-final", "final"])
+def test_grad_of_one_result(returned):
+    """A loss of y alone, with or without final_states returned, runs the backward without
+    dfinal_states (an unused one's cotangent is a symbolic zero, which is not passed); a loss of
+    final_states alone drives every gradient through dfinal_states (dy is zeros)."""
     kw = make_case(5, 1, 40, 2, 4, 4)
-    w, _ = cotangents(0, kw, F32)
-    static = dict(chunk_size=32, dt_softplus=True)
+    w, v = cotangents(0, kw, F32)
+    static = dict(chunk_size=32, dt_softplus=True, return_final_states=returned != "y")
 
     def loss(scan):
-        return lambda a: jnp.sum(scan(**a, **static) * w)
+        def f(a):
+            out = scan(**a, **static)
+            if returned == "final":
+                return jnp.sum(out[1] * v)
+            return jnp.sum((out if returned == "y" else out[0]) * w)
 
-    got = jax.grad(loss(xla_ssm.ssd))(kw)
+        return f
+
+    grad = jax.jit(jax.grad(loss(xla_ssm.ssd)))
+    passed = re.findall(r"has_dfinal_states = (\w+)", grad.lower(kw).as_text())
+    assert passed == [str(returned == "final").lower()]
+    got = grad(kw)
     want = jax.grad(loss(xla_ssm.ssd_ref))(kw)
     for k in kw:
         assert_close(f"d{k}", got[k], want[k], GRAD_TOL[F32])

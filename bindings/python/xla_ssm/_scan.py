@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
+from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec as P
 
 from . import _lib, _scan_seq
@@ -277,7 +278,23 @@ def _scan(cfg: _Cfg, ops):
     return out, final_state
 
 
+def _primal_values(ops):
+    """The arrays of a `symbolic_zeros` forward rule's arguments (each comes as a CustomVJPPrimal)."""
+    return tuple(op.value for op in ops)
+
+
+def _unused(ct):
+    """True for a cotangent JAX knows is zero: the caller never used that result."""
+    return isinstance(ct, SymbolicZero)
+
+
+def _dense(ct):
+    """A cotangent as an array (zeros for a symbolic zero: the kernels read every operand)."""
+    return jnp.zeros(ct.shape, ct.dtype) if _unused(ct) else ct
+
+
 def _scan_fwd(cfg: _Cfg, ops):
+    ops = _primal_values(ops)
     out, final_state, checkpoints = _vcall(_Call("fwd", cfg, CHECKPOINT_LEN), *ops)
     return (out, final_state), (ops, checkpoints)
 
@@ -285,16 +302,19 @@ def _scan_fwd(cfg: _Cfg, ops):
 def _scan_bwd(cfg: _Cfg, res, cts):
     ops, checkpoints = res
     dout, dfinal_state = cts
-    args = [*ops, checkpoints, dout.astype(ops[0].dtype)]
-    if cfg.return_final_state:  # else the caller never saw final_state: its cotangent is zero
+    args = [*ops, checkpoints, _dense(dout).astype(ops[0].dtype)]
+    # A final state the caller never returned, or never used, has a zero cotangent: the backward
+    # then takes none (it reads no zeros, and a packed call keeps its fast path).
+    has_dfinal = cfg.return_final_state and not _unused(dfinal_state)
+    if has_dfinal:
         args.append(dfinal_state.astype(_F32))
-    grads = tuple(_vcall(_Call("bwd", cfg, CHECKPOINT_LEN, cfg.return_final_state), *args))
+    grads = tuple(_vcall(_Call("bwd", cfg, CHECKPOINT_LEN, has_dfinal), *args))
     if cfg.packed:  # the boundaries are integers: no gradient
         grads += (np.zeros(ops[-1].shape, jax.dtypes.float0),)
     return (grads,)
 
 
-_scan.defvjp(_scan_fwd, _scan_bwd)
+_scan.defvjp(_scan_fwd, _scan_bwd, symbolic_zeros=True)
 
 
 # ------------------------------------------------------------------------------ public API

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _lib, _ssd_seq
 from ._fold import fold_vmap
-from ._scan import _ffi
+from ._scan import _dense, _ffi, _primal_values, _unused
 from ._selective_scan import _as_arrays, _name, _softplus
 from ._shard import partitioned, seq_axes, shard_axes
 
@@ -261,6 +261,7 @@ def _ssd(cfg: _Cfg, ops):
 
 
 def _ssd_fwd(cfg: _Cfg, ops):
+    ops = _primal_values(ops)
     y, final_states, chunk_states = _vcall(_Call("fwd", cfg, save_chunk_states=True), *ops)
     return (y, final_states), (ops, chunk_states)
 
@@ -268,16 +269,19 @@ def _ssd_fwd(cfg: _Cfg, ops):
 def _ssd_bwd(cfg: _Cfg, res, cts):
     ops, chunk_states = res
     dy, dfinal_states = cts
-    args = [*ops, chunk_states, dy.astype(ops[0].dtype)]
-    if cfg.return_final_states:  # else the caller never saw final_states: its cotangent is zero
+    args = [*ops, chunk_states, _dense(dy).astype(ops[0].dtype)]
+    # As in _scan_bwd: an unreturned or unused final state's zero cotangent is not passed (a packed
+    # backward without states runs on the tensor cores, with them as a selective scan).
+    has_dfinal = cfg.return_final_states and not _unused(dfinal_states)
+    if has_dfinal:
         args.append(dfinal_states.astype(_F32))
-    grads = tuple(_vcall(_Call("bwd", cfg, has_dfinal_states=cfg.return_final_states), *args))
+    grads = tuple(_vcall(_Call("bwd", cfg, has_dfinal_states=has_dfinal), *args))
     if cfg.packed:  # the boundaries are integers: no gradient
         grads += (np.zeros(ops[-1].shape, jax.dtypes.float0),)
     return (grads,)
 
 
-_ssd.defvjp(_ssd_fwd, _ssd_bwd)
+_ssd.defvjp(_ssd_fwd, _ssd_bwd, symbolic_zeros=True)
 
 
 # ------------------------------------------------------------------------------ public API

@@ -1,9 +1,11 @@
 """SSD over operands sharded along seqlen (docs/sharding.md), per shard, under custom_partitioning:
-the method of _scan_seq with SSD's per-head scalar decay, which makes both corrections matrix
-products. A state S_in (batch, heads, headdim, dstate) entering the shard reaches step t as
-exp(A_h cs_t) S_in (cs: the shard's cumulative dt'), so y_t gains exp(A_h cs_t) S_in C_t (times
-silu(z)) and each saved chunk state gains exp(A_h cs) S_in at its chunk's start; in the backward, the
-shard's outputs pull on S_in by sum_t exp(A_h cs_t) gy_t C_t^T.
+the method of _scan_seq with SSD's per-head scalar decay, which makes the summaries and the
+backward's pull matrix products. A state S_in (batch, heads, headdim, dstate) entering the shard
+reaches step t as exp(A_h cs_t) S_in (cs: the shard's cumulative dt'). The forward first forms the
+state the shard leaves from a zero one, sum_t exp(A_h (cs_end - cs_t)) dt'_t x_t B_t^T (a product
+over the shard, cheaper than correcting its outputs afterwards), exchanges it, and then runs the
+library's forward once, from the true S_in. In the backward, the shard's outputs pull on S_in by
+sum_t exp(A_h cs_t) gy_t C_t^T.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ class _Shard:
         if self.bias is not None:
             dt = dt + self.bias
         dt = _softplus(dt) if cfg.dt_softplus else dt
-        dt = jnp.clip(dt, cfg.dt_min, cfg.dt_max)
-        self.cs = jnp.cumsum(dt, axis=1)  # (b, l, h)
+        self.dt_eff = jnp.clip(dt, cfg.dt_min, cfg.dt_max)  # (b, l, h)
+        self.cs = jnp.cumsum(self.dt_eff, axis=1)
         self.heads, self.groups = self.x.shape[2], self.B.shape[2]
 
     def by_group(self, v, axis):
@@ -56,22 +58,19 @@ class _Shard:
         z = self.z.astype(_F32)
         return z * jax.nn.sigmoid(z)
 
-    def from_state(self, s):
-        """exp(A_h cs_t) C_t . S (b, l, h, p) from a state S (b, h, p, n)."""
-        y = jnp.einsum("blgn,bgepn->blgep", self.C.astype(_F32), self.by_group(s, 1))
-        return y.reshape(*y.shape[:2], self.heads, -1) * self.carried()[..., None]
+    def end_state(self):
+        """The state the shard leaves from a zero one, sum_t exp(A_h (cs_end - cs_t)) dt'_t x_t B_t^T,
+        (b, h, p, n) f32: a product in x's dtype with f32 sums, as the kernels form chunk states."""
+        w = jnp.exp(self.A * (self.cs[:, -1:] - self.cs)) * self.dt_eff  # (b, l, h), at most dt'
+        xw = (self.x.astype(_F32) * w[..., None]).astype(self.x.dtype)
+        s = jnp.einsum("blgep,blgn->bgepn", self.by_group(xw, 2), self.B, preferred_element_type=_F32)
+        return s.reshape(s.shape[0], self.heads, *s.shape[3:])
 
     def pull(self, gy):
         """sum_t exp(A_h cs_t) gy_t C_t^T: the outputs' gradient reaching S_in, (b, h, p, n)."""
         w = self.by_group(gy * self.carried()[..., None], 2)  # (b, l, g, e, p)
         r = jnp.einsum("blgep,blgn->bgepn", w, self.C.astype(_F32))
         return r.reshape(r.shape[0], self.heads, *r.shape[3:])
-
-    def chunk_decay(self, n_chunks, chunk_size):
-        """exp(A_h cs) at the step before each chunk (1 at the shard's start): (b, h, 1, K, 1)."""
-        at = jnp.arange(n_chunks) * chunk_size - 1
-        cs = jnp.where((at >= 0)[None, :, None], jnp.take(self.cs, jnp.maximum(at, 0), axis=1), 0.0)  # (b, K, h)
-        return jnp.exp(self.A * cs).transpose(0, 2, 1)[:, :, None, :, None]
 
 
 def lower(call, axes, mesh, raw):
@@ -81,15 +80,9 @@ def lower(call, axes, mesh, raw):
 
     def fwd(*ops):
         s = _Shard(cfg, ops)
-        res = raw(call._replace(cfg=cfg._replace(has_initial_states=False)), *s.plain)
-        y, end = res[0], res[1]
-        h_in, h = carry_in(s.decay(), end, s.h0, axes, shards)
-        y = (y.astype(_F32) + s.from_state(h_in) * s.gate()).astype(y.dtype)
-        if not call.save_chunk_states:
-            return y, h
-        chunks = res[2]
-        fixed = chunks.astype(_F32) + s.chunk_decay(chunks.shape[3], cfg.chunk_size) * h_in[:, :, :, None, :]
-        return y, h, fixed.astype(chunks.dtype)
+        h_in, h = carry_in(s.decay(), s.end_state(), s.h0, axes, shards)
+        res = raw(call._replace(cfg=cfg._replace(has_initial_states=True)), *s.plain, h_in.astype(_F32))
+        return (res[0], h, res[2]) if call.save_chunk_states else (res[0], h)
 
     def bwd(*ops):
         n = 5 + (cfg.d_rank > 0) + cfg.has_z + cfg.has_dt_bias + cfg.has_initial_states
