@@ -808,9 +808,9 @@ __device__ __forceinline__ void selective_scan_fwd_tiled(const SelectiveScanFwdP
     SSF_TILED_PASS(T, TB, TPC, kInvariant, invariant, PASS, LOCAL, PACKED)
 // SSF_TILED_TPCS(T, TB, PASS, LOCAL, PACKED): a pass at every TPC from 2 on. The split's first pass
 // has no one-thread-a-channel form: it gained only on the longest chunks (2% at 1x4096x16384) and
-// cost up to 9% of the forward on others (BENCHMARKS.md, "What did not pay"). Packed sequences have
-// none either: its four forms of the step loop, twice (tiles with a boundary and without), added a
-// fifth to the forward's compile time (src/cuda/selective_scan.rs takes two threads a channel instead).
+// cost up to 9% of the forward on others (BENCHMARKS.md, "What did not pay"). The packed outputs'
+// pass has it (selective_scan_fwd_packed.cu): a fifth more of that file's compile time, for the
+// 8% the unpacked pass gains from it at batch 1 and dim 4096.
 #define SSF_TILED_TPCS(T, TB, PASS, LOCAL, PACKED)                                                           \
     SSF_TILED_FORMS(T, TB, 2, PASS, LOCAL, PACKED) SSF_TILED_FORMS(T, TB, 4, PASS, LOCAL, PACKED)            \
     SSF_TILED_FORMS(T, TB, 8, PASS, LOCAL, PACKED) SSF_TILED_FORMS(T, TB, 16, PASS, LOCAL, PACKED)           \

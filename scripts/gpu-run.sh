@@ -3,14 +3,19 @@
 # tests, the JAX tests (which then run on the GPU), the C++ host through PJRT, the CUDA kernel tests
 # (nvcc), and the demo. Logs go to $OUT when set (the device tool's folder).
 #   XLA_SSM_GPU_STEPS="cargo pytest cpp kernels demo"   the default, in this order; add `sanitize`
-#   for compute-sanitizer's four tools over the CUDA tests (tests/cuda/sanitize.sh; slow)
+#   for compute-sanitizer's four tools over the CUDA tests (tests/cuda/sanitize.sh; slow); empty:
+#   only unpack the library (for running a benchmark against .bundle/libxla_ssm.so by hand)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 LOG="${OUT:-/tmp}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT/bindings/python" XLA_SSM_LIBRARY="$ROOT/.bundle/libxla_ssm.so"
-steps=" ${XLA_SSM_GPU_STEPS:-cargo pytest cpp kernels demo} "
+steps=" ${XLA_SSM_GPU_STEPS-cargo pytest cpp kernels demo} "
 status=0
+# The bundle carries the library gzipped (scripts/gpu-bundle.sh).
+if [ ! "$XLA_SSM_LIBRARY" -nt "$XLA_SSM_LIBRARY.gz" ]; then
+  gzip -dc "$XLA_SSM_LIBRARY.gz" >"$XLA_SSM_LIBRARY"
+fi
 nvidia-smi -L
 
 if [[ "$steps" == *" cargo "* ]]; then

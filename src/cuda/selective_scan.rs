@@ -123,10 +123,8 @@ pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
         let tiles = (p.dim + tiled_channels(tpc) - 1) / tiled_channels(tpc);
         let chunks = if split { n_chunks } else { 1 };
         // The pass that writes the outputs at one thread a channel (the split's first pass never:
-        // it gained only on the longest chunks, and lost on the others; packed sequences never: the
-        // kernels have no such form, whose four step loops twice over cost too much compile time).
-        let one_thread = !packed
-            && p.dstate <= 16
+        // it gained only on the longest chunks, and lost on the others).
+        let one_thread = p.dstate <= 16
             && (forced("tiled1")
                 || (tiles * p.batch * chunks >= ONE_THREAD_MIN_BLOCKS
                     && (!split || chunk_len >= ONE_THREAD_MIN_CHUNK)));

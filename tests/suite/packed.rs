@@ -559,3 +559,12 @@ fn cuda_matches_host() {
         compare(&what, &p.run(true, 0, 0, 0, true), &p.run(true, 0, 0, 0, false), 2e-4);
     }
 }
+
+/// The same with the outputs' pass at one thread a channel (dstate <= 16), which the library takes
+/// on large grids only (the benchmark's batch-1 sequences of 16384 steps at dim 4096).
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
+fn cuda_matches_host_at_one_thread_a_channel() {
+    crate::common::rerun_with_env("XLA_SSM_FWD_KERNEL", "tiled1", module_path!(), &["cuda_matches_host"]);
+}
