@@ -95,6 +95,8 @@ beside_pid=$!
 pytest_log="$(mktemp)"
 python -m pytest tests/python -q -ra >"$pytest_log" 2>&1 &
 pytest_pid=$!
+# A failing step ends the script; the jobs beside it end with it.
+trap 'kill "$beside_pid" "$pytest_pid" 2>/dev/null || true' EXIT
 
 rust_tests
 

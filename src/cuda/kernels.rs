@@ -160,10 +160,11 @@ pub fn all() -> Vec<(&'static str, String)> {
     for types in SCAN_TYPES {
         for tpc in SCAN_TPC {
             for form in SCAN_FWD_FORMS {
-                names.push((SCAN_FWD, scan_fwd_tiled(false, false, types, tpc, form)));
-                if tpc > 1 {
-                    for (local, packed) in [(true, false), (false, true), (true, true)] {
-                        names.push((scan_fwd_module(packed), scan_fwd_tiled(local, packed, types, tpc, form)));
+                // The split's first pass (`local`) has no form at one thread a channel.
+                for packed in [false, true] {
+                    names.push((scan_fwd_module(packed), scan_fwd_tiled(false, packed, types, tpc, form)));
+                    if tpc > 1 {
+                        names.push((scan_fwd_module(packed), scan_fwd_tiled(true, packed, types, tpc, form)));
                     }
                 }
             }
@@ -285,8 +286,8 @@ mod tests {
         for (module, _) in super::super::FATBINS {
             assert!(!defined(module).is_empty(), "no kernels read from kernels/{module}.cu");
         }
-        let packed_one_thread = scan_fwd_tiled(false, true, (F32, F32), 1, "varying");
-        assert!(!defined(SCAN_FWD_PACKED).contains(&packed_one_thread.as_str()));
-        assert!(defined(SCAN_FWD).contains(&scan_fwd_tiled(false, false, (F32, F32), 1, "varying").as_str()));
+        let local_one_thread = scan_fwd_tiled(true, true, (F32, F32), 1, "varying");
+        assert!(!defined(SCAN_FWD_PACKED).contains(&local_one_thread.as_str()));
+        assert!(defined(SCAN_FWD_PACKED).contains(&scan_fwd_tiled(false, true, (F32, F32), 1, "varying").as_str()));
     }
 }
