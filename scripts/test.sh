@@ -24,6 +24,24 @@ cargo clippy --release --all-targets -- -D warnings
 section "cargo clippy --no-default-features (the CPU-only library)"
 cargo clippy --release --all-targets --no-default-features -- -D warnings
 
+# The unit tests (the library's internals) build in the dev profile: ~1 min, with overflow checks.
+# In release they would compile the whole crate a second time (~15 min of CPU).
+section "cargo test --lib (unit tests, dev profile)"
+cargo test --lib
+
+section "cargo test --release --test suite (the integration tests; the CUDA ones are ignored without a GPU)"
+suite_log="$(mktemp)"
+cargo test --release --test suite 2>&1 | tee "$suite_log"
+ignored="$(sed -n 's/^test result: .* \([0-9][0-9]*\) ignored.*/\1/p' "$suite_log" | tail -n 1)"
+rm -f "$suite_log"
+echo "NOTE: ${ignored:-0} CUDA tests were ignored, not run: there is no GPU here (scripts/gpu-run.sh runs them)."
+
+section "cargo test --release --doc"
+cargo test --release --doc
+
+section "Elixir binding: the parts that run without Hex (bindings/elixir/test/run_pure.sh; installs Debian's elixir if missing)"
+bash bindings/elixir/test/run_pure.sh
+
 section "cargo build --release (the library pytest loads)"
 cargo build --release
 
@@ -66,49 +84,12 @@ print(f"pip-installed xla_ssm OK: {lib}, targets on {xla_ssm.registered_platform
 PY
   )
 )
-
-# The Rust tests and the Elixir binding's pure parts, in the foreground while pytest and the
-# checks beside it run (their compiles fill the cores those leave idle).
-rust_tests() {
-  # The unit tests (the library's internals) build in the dev profile: ~1 min, with overflow checks.
-  # In release they would compile the whole crate a second time (~15 min of CPU).
-  section "cargo test --lib (unit tests, dev profile)"
-  cargo test --lib
-
-  section "cargo test --release --test suite (the integration tests; the CUDA ones are ignored without a GPU)"
-  suite_log="$(mktemp)"
-  cargo test --release --test suite 2>&1 | tee "$suite_log"
-  ignored="$(sed -n 's/^test result: .* \([0-9][0-9]*\) ignored.*/\1/p' "$suite_log" | tail -n 1)"
-  rm -f "$suite_log"
-  echo "NOTE: ${ignored:-0} CUDA tests were ignored, not run: there is no GPU here (scripts/gpu-run.sh runs them)."
-
-  section "cargo test --release --doc"
-  cargo test --release --doc
-
-  section "Elixir binding: the parts that run without Hex (bindings/elixir/test/run_pure.sh; installs Debian's elixir if missing)"
-  bash bindings/elixir/test/run_pure.sh
-}
-
 beside_log="$(mktemp)"
 beside >"$beside_log" 2>&1 &
 beside_pid=$!
-pytest_log="$(mktemp)"
-python -m pytest tests/python -q -ra >"$pytest_log" 2>&1 &
-pytest_pid=$!
-# A failing step ends the script; the jobs beside it end with it.
-trap 'kill "$beside_pid" "$pytest_pid" 2>/dev/null || true' EXIT
 
-rust_tests
-
-section "pytest tests/python (ran beside the Rust tests)"
-pytest_status=0
-wait "$pytest_pid" || pytest_status=$?
-cat "$pytest_log"
-rm -f "$pytest_log"
-if [ "$pytest_status" -ne 0 ]; then
-  echo "pytest failed (exit $pytest_status)" >&2
-  exit "$pytest_status"
-fi
+section "pytest tests/python"
+python -m pytest tests/python -q -ra
 
 section "beside pytest: JAX compatibility, the smoke subset under jax 0.5.0 (the first jax.ffi), 0.9.0 (EXLA's XLA) and the newest (scripts/compat.sh); the quick CPU benchmarks; pip install"
 beside_status=0
