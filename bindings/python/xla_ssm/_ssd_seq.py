@@ -81,7 +81,7 @@ def lower(call, axes, mesh, raw):
     def fwd(*ops):
         s = _Shard(cfg, ops)
         h_in, h = carry_in(s.decay(), s.end_state(), s.h0, axes, shards)
-        res = raw(call._replace(cfg=cfg._replace(has_initial_states=True)), *s.plain, h_in.astype(_F32))
+        res = raw(call._replace(cfg=cfg._replace(has_initial_states=True)), *s.plain, h_in)
         return (res[0], h, res[2]) if call.save_chunk_states else (res[0], h)
 
     def bwd(*ops):
