@@ -364,6 +364,19 @@ int64_t xla_ssm_selective_scan_fwd_workspace_bytes(int64_t batch,
                                                    int64_t seqlen,
                                                    int64_t dstate);
 
+// Chunks of the records `xla_ssm_selective_scan_chunk_records` makes for this shape (the CUDA
+// forward's sequence split; 1 where it never splits); -1 for sizes a call would refuse
+// (`xla_ssm_last_error()` says why). Its result is (chunks, batch, dim,
+// [`xla_ssm_selective_scan_chunk_record_floats`]) f32.
+int64_t xla_ssm_selective_scan_chunk_records_count(int64_t batch,
+                                                   int64_t dim,
+                                                   int64_t seqlen,
+                                                   int64_t dstate);
+
+// f32s of one chunk record at this dstate: the end state padded to the CUDA kernel's states, then
+// the sum of dt; -1 for a dstate a call would refuse.
+int64_t xla_ssm_selective_scan_chunk_record_floats(int64_t dstate);
+
 // Forward selective scan on host memory, on the calling thread (and worker threads it joins).
 //
 // # Safety
@@ -489,6 +502,19 @@ int64_t xla_ssm_selective_scan_fwd_workspace_bytes(int64_t batch,
                                                    int64_t dim,
                                                    int64_t seqlen,
                                                    int64_t dstate);
+
+// Chunks of the records `xla_ssm_selective_scan_chunk_records` makes for this shape (the CUDA
+// forward's sequence split; 1 where it never splits); -1 for sizes a call would refuse
+// (`xla_ssm_last_error()` says why). Its result is (chunks, batch, dim,
+// [`xla_ssm_selective_scan_chunk_record_floats`]) f32.
+int64_t xla_ssm_selective_scan_chunk_records_count(int64_t batch,
+                                                   int64_t dim,
+                                                   int64_t seqlen,
+                                                   int64_t dstate);
+
+// f32s of one chunk record at this dstate: the end state padded to the CUDA kernel's states, then
+// the sum of dt; -1 for a dstate a call would refuse.
+int64_t xla_ssm_selective_scan_chunk_record_floats(int64_t dstate);
 
 // Forward selective scan on host memory, on the calling thread (and worker threads it joins).
 //
@@ -689,6 +715,20 @@ XLA_FFI_Error *xla_ssm_ssd_bwd_cpu(XLA_FFI_CallFrame *call_frame);
 // # Safety
 // Called by XLA with a valid call frame.
 XLA_FFI_Error *xla_ssm_ssd_bwd_cuda(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_selective_scan_chunk_records` for platform "cpu"
+// (docs/selective_scan_fwd.md, "Chunk records").
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_selective_scan_chunk_records_cpu(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_selective_scan_chunk_records` for platform "CUDA". Runs on XLA's
+// stream, allocates nothing and never synchronizes, so it is safe in CUDA graphs.
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_selective_scan_chunk_records_cuda(XLA_FFI_CallFrame *call_frame);
 
 // XLA FFI handler of `xla_ssm_selective_scan_carry_fwd` for platform "cpu"
 // (docs/selective_scan_carry.md).

@@ -1,7 +1,8 @@
 // The state carried into a seqlen shard (selective_scan_carry_fwd / _bwd; the definition is in
 // src/ops/selective_scan/carry.rs, the use in docs/sharding.md): how a state entering the shard
 // reaches its outputs (fwd: added to the outputs its scan made from a zero state, in place), and
-// how the outputs' gradient reaches that state (bwd, the transpose, per segment).
+// how the outputs' gradient reaches that state (bwd, the transpose, per segment); and the chunk
+// records of the forward's split where its own first pass does not apply.
 //
 // One warp per segment of a (batch, channel) row, kCarrySteps consecutive steps per lane: the
 // lanes' dt go through a warp prefix sum onto the cumulative dt, which starts from the row's dt
@@ -229,6 +230,41 @@ __device__ void carry_bwd(const SelectiveScanCarryParams& q) {
     }
 }
 
+// selective_scan_chunk_records where the tiled forward's first pass does not apply (rows not whole
+// 16-byte vectors, groups that split a tile of channels): one thread per float of a record, (chunk,
+// batch, channel, i), walking its chunk's steps. The tiled pass's layout: i < dstate a state, the
+// padding 0, the last float the sum of dt. Slow, but taken only where the fast pass cannot run.
+constexpr int kRecordsThreads = 128;
+
+template <typename T, typename TB> __device__ __forceinline__ void chunk_records_any(const SelectiveScanFwdParams& p) {
+    const int64_t tpc = max(int64_t(2), int64_t(1) << (64 - __clzll((max(p.dstate, int64_t(1)) + 7) / 8 - 1)));
+    const int64_t floats = 8 * tpc + 1;  // split_record_floats
+    const int64_t rows = p.batch * p.dim;
+    const int64_t i = int64_t(blockIdx.x) * kRecordsThreads + threadIdx.x;
+    if (i >= p.n_chunks * rows * floats) return;
+    const int64_t n = i % floats, row = i / floats % rows, chunk = i / floats / rows;
+    const int64_t b = row / p.dim, d = row % p.dim;
+    const bool dt_sum = n == floats - 1;
+    float h = 0.f;
+    if (dt_sum || n < p.dstate) {
+        const float a2 = dt_sum ? 0.f : p.A[d * p.dstate + n] * kLog2e;
+        const float bias = p.delta_bias ? p.delta_bias[d] : 0.f;
+        const T* u = static_cast<const T*>(p.u);
+        const T* delta = static_cast<const T*>(p.delta);
+        const TB* B = static_cast<const TB*>(p.B);
+        const int64_t x0 = b * p.x_stride_batch + d * p.x_stride_dim;
+        const int64_t b0 = b * p.bc_stride_batch + (d / p.dim_per_group) * p.bc_stride_group + (dt_sum ? 0 : n) * p.bc_stride_state;
+        const int64_t l_end = min(p.seqlen, (chunk + 1) * p.chunk_len);
+        for (int64_t l = chunk * p.chunk_len; l < l_end; ++l) {
+            float dt = to_f32(delta[x0 + l * p.x_stride_seq]) + bias;
+            if (p.delta_softplus) dt = softplus(dt);
+            h = dt_sum ? h + dt
+                       : fmaf(ex2_ftz(dt * a2), h, dt * to_f32(B[b0 + l * p.bc_stride_seq]) * to_f32(u[x0 + l * p.x_stride_seq]));
+        }
+    }
+    p.workspace[i] = h;
+}
+
 #define CARRY_KERNELS(T, TB)                                                                                 \
     extern "C" __global__ void __launch_bounds__(kCarryWarps * 32)                                          \
         selective_scan_carry_fwd_##T##_##TB(const SelectiveScanCarryParams q) {                             \
@@ -237,5 +273,9 @@ __device__ void carry_bwd(const SelectiveScanCarryParams& q) {
     extern "C" __global__ void __launch_bounds__(kCarryWarps * 32)                                          \
         selective_scan_carry_bwd_##T##_##TB(const SelectiveScanCarryParams q) {                             \
         carry_bwd<T, TB>(q);                                                                                 \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(kRecordsThreads)                                           \
+        selective_scan_chunk_records_##T##_##TB(const SelectiveScanFwdParams p) {                           \
+        chunk_records_any<T, TB>(p);                                                                         \
     }
 SCAN_TYPE_PAIRS(CARRY_KERNELS)

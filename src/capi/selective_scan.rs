@@ -259,6 +259,7 @@ fn fwd(args: *const XlaSsmSelectiveScanFwdArgs, platform: Platform) -> Result<()
         checkpoints: some(&checkpoints),
         checkpoint_len: a.checkpoint_len,
         workspace: some(&workspace),
+        chunk_records: None,
     })?;
     run_fwd(&fwd, platform)
 }
@@ -323,6 +324,30 @@ pub extern "C" fn xla_ssm_selective_scan_fwd_workspace_bytes(batch: i64, dim: i6
     size(|| {
         check_scan_sizes(op, [batch, dim, seqlen, dstate, 0])?;
         Ok(crate::ops::selective_scan::workspace_bytes(batch, dim, seqlen, dstate))
+    })
+}
+
+/// Chunks of the records `xla_ssm_selective_scan_chunk_records` makes for this shape (the CUDA
+/// forward's sequence split; 1 where it never splits); -1 for sizes a call would refuse
+/// (`xla_ssm_last_error()` says why). Its result is (chunks, batch, dim,
+/// [`xla_ssm_selective_scan_chunk_record_floats`]) f32.
+#[no_mangle]
+pub extern "C" fn xla_ssm_selective_scan_chunk_records_count(batch: i64, dim: i64, seqlen: i64, dstate: i64) -> i64 {
+    let op = "xla_ssm_selective_scan_chunk_records_count";
+    size(|| {
+        check_scan_sizes(op, [batch, dim, seqlen, dstate, 0])?;
+        Ok(crate::ops::selective_scan::chunk_records_count(batch, dim, seqlen))
+    })
+}
+
+/// f32s of one chunk record at this dstate: the end state padded to the CUDA kernel's states, then
+/// the sum of dt; -1 for a dstate a call would refuse.
+#[no_mangle]
+pub extern "C" fn xla_ssm_selective_scan_chunk_record_floats(dstate: i64) -> i64 {
+    let op = "xla_ssm_selective_scan_chunk_record_floats";
+    size(|| {
+        check_scan_sizes(op, [1, 1, 1, dstate, 0])?;
+        Ok(crate::ops::selective_scan::split_record_floats(dstate))
     })
 }
 

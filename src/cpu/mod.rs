@@ -26,6 +26,7 @@ pub(crate) mod pool;
 pub(crate) mod carry;
 pub(crate) mod conv1d;
 pub(crate) mod mamba_decode;
+pub(crate) mod records;
 pub(crate) mod selective_scan;
 pub(crate) mod selective_scan_bwd;
 pub(crate) mod ssd;

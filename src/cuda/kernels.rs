@@ -81,6 +81,11 @@ pub fn scan_carry(fwd: bool, types: (DType, DType)) -> String {
     format!("selective_scan_carry_{}_{}", if fwd { "fwd" } else { "bwd" }, join(&[types.0, types.1]))
 }
 
+/// The chunk records where the forward's tiled first pass does not apply.
+pub fn scan_chunk_records(types: (DType, DType)) -> String {
+    format!("selective_scan_chunk_records_{}", join(&[types.0, types.1]))
+}
+
 /// The state update (x, B/C, state dtypes), the fast form or the general one.
 pub fn state_update(types: [DType; 3], fast: bool) -> String {
     format!("selective_state_update_{}{}", join(&types), if fast { "_fast" } else { "" })
@@ -186,6 +191,7 @@ pub fn all() -> Vec<(&'static str, String)> {
         for fwd in [true, false] {
             names.push((SCAN_CARRY, scan_carry(fwd, types)));
         }
+        names.push((SCAN_CARRY, scan_chunk_records(types)));
         for packed in [false, true] {
             for kernel in [Conv::Fwd, Conv::BwdDx, Conv::BwdDw] {
                 names.push((CONV, conv(kernel, packed, types)));

@@ -9,7 +9,9 @@
 //!
 //! The tiled kernel is taken wherever it applies; `XLA_SSM_FWD_KERNEL=lanes` forces the other. When
 //! the host passes a workspace and batch x dim is small, the tiled kernel splits the sequence
-//! ([`split_plan`]): two launches, a chunk-local pass and the final one.
+//! ([`split_plan`]): two launches, a chunk-local pass and the final one. A records call
+//! (`selective_scan_chunk_records`) runs the first alone, over every chunk; a forward given its
+//! records runs the second alone.
 //!
 //! Packed sequences (`cu_seqlens`) run kernels of their own (`_packed`), so that the others stay as
 //! they were; the plan (kernel, threads per channel, split) is the same as unpacked, from the shapes
@@ -17,8 +19,8 @@
 
 use crate::error::Result;
 use crate::ops::selective_scan::{
-    split_plan, tiled_channels, tiled_thread_states, tiled_threads_per_channel, workspace_bytes, Fwd, FwdParams,
-    FWD_SPLIT_TARGET_BLOCKS, TILED_MAX_DSTATE,
+    split_plan, split_record_floats, tiled_channels, tiled_thread_states, tiled_threads_per_channel, workspace_bytes,
+    Fwd, FwdParams, Records, FWD_SPLIT_TARGET_BLOCKS, TILED_MAX_DSTATE,
 };
 use once_cell::sync::Lazy;
 use std::ffi::c_void;
@@ -28,6 +30,8 @@ use super::{launch, LaunchConfig};
 
 const LANE_STATES: i64 = 8;
 const LANES_BLOCK: u32 = 128;
+/// Threads of a block of the records' fallback kernel (`kRecordsThreads`).
+const RECORDS_BLOCK: u32 = 128;
 
 /// `Tile<T, TPC>::kSharedBytes`: u, delta, z tiles of 64-byte rows padded by a word, f32 dt and gate
 /// rows padded by one, f32 B and C of `Tiled<TPC>::kStates`.
@@ -103,6 +107,33 @@ fn tiled_bc_form(fwd: &Fwd, tpc: i64) -> &'static str {
     }
 }
 
+/// The chunk records by the tiled kernel's first pass, for every chunk of the split (the forward
+/// itself leaves out the last, which nothing after it reads).
+fn chunk_records_tiled(fwd: &Fwd, records: *mut f32, stream: *mut c_void) -> Result<()> {
+    let p = FwdParams { workspace: records, ..fwd.params() };
+    let tpc = tiled_threads_per_channel(p.dstate);
+    let tiles = (p.dim + tiled_channels(tpc) - 1) / tiled_channels(tpc);
+    let kernel = kernels::scan_fwd_tiled(true, false, (fwd.dtype(), fwd.bc_dtype()), tpc, tiled_bc_form(fwd, tpc));
+    let config = LaunchConfig {
+        grid: (tiles as u64, p.batch as u64, p.n_chunks as u64),
+        block: (tiled_channels(tpc) * tpc) as u32,
+        shared_bytes: tiled_shared_bytes(fwd.dtype().size_bytes(), tpc),
+    };
+    // SAFETY: the parameters of a validated records call, whose result holds n_chunks records.
+    unsafe { launch(stream, kernels::scan_fwd_module(false), &kernel, config, &p) }
+}
+
+/// The chunk records where the tiled pass does not apply: a thread per record float.
+fn chunk_records_any(fwd: &Fwd, records: *mut f32, stream: *mut c_void) -> Result<()> {
+    let p = FwdParams { workspace: records, ..fwd.params() };
+    let floats = (p.n_chunks * p.batch * p.dim * split_record_floats(p.dstate)) as u64;
+    let config =
+        LaunchConfig { grid: (floats.div_ceil(RECORDS_BLOCK as u64), 1, 1), block: RECORDS_BLOCK, shared_bytes: 0 };
+    let kernel = kernels::scan_chunk_records((fwd.dtype(), fwd.bc_dtype()));
+    // SAFETY: as above.
+    unsafe { launch(stream, kernels::SCAN_CARRY, &kernel, config, &p) }
+}
+
 pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
     let p = &fwd.params();
     if p.batch * p.dim == 0 {
@@ -112,12 +143,20 @@ pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
     let packed = !p.cu_seqlens.is_null();
     // The tiled kernel is 6-36x faster than the lanes kernel at the benchmark shapes on the H100
     // (`tests/cuda/fwd_check.cu time`), small ones included; lanes covers what tiled does not.
-    if tiled_supported(fwd) && !forced("lanes") {
+    let tiled = tiled_supported(fwd) && !forced("lanes");
+    if let Records::Only(records) = fwd.records() {
+        return if tiled { chunk_records_tiled(fwd, records, stream) } else { chunk_records_any(fwd, records, stream) };
+    }
+    if tiled {
         let (chunk_len, n_chunks) = split_plan(p.batch, p.dim, p.seqlen);
         let needed = workspace_bytes(p.batch, p.dim, p.seqlen, p.dstate);
         // The records are f32: a host's misaligned scratch is not used rather than faulted on.
         let usable = !p.workspace.is_null() && (p.workspace as usize).is_multiple_of(4);
-        let split = n_chunks > 1 && needed > 0 && fwd.workspace_bytes() >= needed && usable;
+        let given = match fwd.records() {
+            Records::Given(records) => Some(records),
+            _ => None,
+        };
+        let split = n_chunks > 1 && (given.is_some() || (needed > 0 && fwd.workspace_bytes() >= needed && usable));
         let tpc = tiled_threads_per_channel(p.dstate);
         // Tiled<1> has as many channels a block as Tiled<2>: the same tiles at either.
         let tiles = (p.dim + tiled_channels(tpc) - 1) / tiled_channels(tpc);
@@ -140,6 +179,12 @@ pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
         };
         let final_tpc = if one_thread { 1 } else { tpc };
         if split {
+            if let Some(records) = given {
+                // The first pass ran beforehand (`selective_scan_chunk_records`); its records are
+                // only read.
+                let split = FwdParams { chunk_len, n_chunks, workspace: records as *mut f32, ..*p };
+                return launch_pass(false, final_tpc, n_chunks, &split);
+            }
             let split = FwdParams { chunk_len, n_chunks, ..*p };
             launch_pass(true, tpc, n_chunks - 1, &split)?;
             return launch_pass(false, final_tpc, n_chunks, &split);

@@ -90,6 +90,7 @@ pub const SELECTIVE_SCAN_FWD: Signature = Signature {
         opt("delta_bias", "has_delta_bias"),
         opt("initial_state", "has_initial_state"),
         opt("cu_seqlens", "has_cu_seqlens"),
+        opt("chunk_records", "has_chunk_records"),
     ],
     results: &[arg("out"), arg("final_state"), Arg { name: "checkpoints", when: When::NonZero("checkpoint_len") }],
     workspace: true,
@@ -102,7 +103,18 @@ pub const SELECTIVE_SCAN_FWD: Signature = Signature {
         flag("has_initial_state"),
         Attr { name: "has_cu_seqlens", ty: Bool, optional: true },
         Attr { name: "checkpoint_len", ty: I64, optional: true },
+        Attr { name: "has_chunk_records", ty: Bool, optional: true },
     ],
+};
+
+/// The forward's sequence split, first pass only (docs/selective_scan_fwd.md, "Chunk records"):
+/// each chunk's end state from zero and its sum of dt, for a later forward's `chunk_records`.
+pub const SELECTIVE_SCAN_CHUNK_RECORDS: Signature = Signature {
+    op: "selective_scan_chunk_records",
+    operands: &[arg("u"), arg("delta"), arg("A"), arg("B"), opt("delta_bias", "has_delta_bias")],
+    results: &[arg("chunk_records")],
+    workspace: false,
+    attrs: &[attr("layout", Str), flag("delta_softplus"), flag("has_delta_bias")],
 };
 
 pub const SELECTIVE_SCAN_BWD: Signature = Signature {
@@ -376,9 +388,10 @@ pub const MAMBA_DECODE_STEP: Signature = Signature {
 };
 
 /// Every target, in the order `xla_ssm_target_signatures` lists them.
-pub const ALL: [&Signature; 11] = [
+pub const ALL: [&Signature; 12] = [
     &SELECTIVE_SCAN_FWD,
     &SELECTIVE_SCAN_BWD,
+    &SELECTIVE_SCAN_CHUNK_RECORDS,
     &SELECTIVE_SCAN_CARRY_FWD,
     &SELECTIVE_SCAN_CARRY_BWD,
     &SELECTIVE_STATE_UPDATE,

@@ -36,6 +36,12 @@ pub const TARGETS: &[Target] = &[
         cuda: handlers::xla_ssm_selective_scan_bwd_cuda,
     },
     Target {
+        name: "xla_ssm_selective_scan_chunk_records",
+        signature: &signature::SELECTIVE_SCAN_CHUNK_RECORDS,
+        cpu: handlers::xla_ssm_selective_scan_chunk_records_cpu,
+        cuda: handlers::xla_ssm_selective_scan_chunk_records_cuda,
+    },
+    Target {
         name: "xla_ssm_selective_scan_carry_fwd",
         signature: &signature::SELECTIVE_SCAN_CARRY_FWD,
         cpu: handlers::xla_ssm_selective_scan_carry_fwd_cpu,

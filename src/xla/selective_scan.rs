@@ -1,6 +1,7 @@
 //! Call frames of `xla_ssm_selective_scan_fwd` / `_bwd` (docs/selective_scan_fwd.md,
 //! docs/selective_scan_bwd.md): operands and results by the targets' signatures, then the op's
-//! validation; and of `xla_ssm_selective_scan_carry_fwd` / `_bwd` (docs/selective_scan_carry.md).
+//! validation; of `xla_ssm_selective_scan_chunk_records` (the forward's first pass); and of
+//! `xla_ssm_selective_scan_carry_fwd` / `_bwd` (docs/selective_scan_carry.md).
 
 use super::frame::Frame;
 use super::operands::{prefixed, Call};
@@ -8,7 +9,8 @@ use crate::error::Result;
 use crate::ops::selective_scan::carry::{run_carry, validate_carry, CarryArgs, Direction};
 use crate::ops::selective_scan::*;
 use crate::ops::signature::{
-    SELECTIVE_SCAN_BWD, SELECTIVE_SCAN_CARRY_BWD, SELECTIVE_SCAN_CARRY_FWD, SELECTIVE_SCAN_FWD,
+    SELECTIVE_SCAN_BWD, SELECTIVE_SCAN_CARRY_BWD, SELECTIVE_SCAN_CARRY_FWD, SELECTIVE_SCAN_CHUNK_RECORDS,
+    SELECTIVE_SCAN_FWD,
 };
 use crate::ops::Platform;
 
@@ -45,8 +47,27 @@ pub fn fwd_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
         checkpoints: call.result("checkpoints"),
         checkpoint_len,
         workspace: call.workspace.as_ref(),
+        chunk_records: call.operand("chunk_records"),
     })?;
     run_fwd(&fwd, platform)
+}
+
+/// The XLA handler's body of the chunk records call: decode, validate, run (as a forward).
+pub fn chunk_records_from_frame(frame: &Frame, platform: Platform) -> Result<()> {
+    let sig = &SELECTIVE_SCAN_CHUNK_RECORDS;
+    let pre = prefixed(sig.op);
+    let call = Call::decode(frame, sig)?;
+    let records = validate_chunk_records(&ChunkRecordsArgs {
+        u: call.input("u"),
+        delta: call.input("delta"),
+        a: call.input("A"),
+        b: call.input("B"),
+        delta_bias: call.operand("delta_bias"),
+        delta_softplus: frame.attr_bool("delta_softplus").map_err(&pre)?,
+        layout: Layout::parse(&frame.attr_str("layout").map_err(&pre)?).map_err(&pre)?,
+        records: call.output("chunk_records"),
+    })?;
+    run_fwd(&records, platform)
 }
 
 /// The XLA handler's body of the backward: decode, validate, run.

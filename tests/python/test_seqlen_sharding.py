@@ -18,6 +18,13 @@ from test_selective_scan_jax import BF16, F32, assert_close, make_case
 COLLECTIVE = re.compile(r"\b(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)(-start)?\(")
 
 
+@pytest.fixture(autouse=True)
+def records_on_the_cpu(monkeypatch):
+    """The chunk records' way (docs/sharding.md) wherever the CUDA forward would split a shard, as
+    on a GPU: the CPU's own way is the carry."""
+    monkeypatch.setattr(xla_ssm._scan_seq, "RECORDS_PLATFORMS", ("cpu", "gpu"))
+
+
 @pytest.fixture(scope="module")
 def mesh():
     devices = jax.devices("cpu")
@@ -58,6 +65,9 @@ CASES = [  # (id, batch, dim, seqlen, groups, B/C form, make_case options, batch
     ("l4-dim-a", 1, 8, 384, 1, "var", dict(h0=False), None, "a", "l"),
     ("l8-invariant-bare", 1, 4, 512, 1, "inv", dict(d=False, z=False, bias=False), None, None, ("a", "l")),
     ("l2-groups", 4, 8, 192, 2, "var", dict(softplus=False, bias=False), "l", None, "a"),
+    # Shards of 256 steps: the CUDA forward would split each into 4 chunks, so the chunk records
+    # come first and the forward runs from the true state (the cases above carry it afterwards).
+    ("l4-records", 1, 6, 1024, 3, "var", {}, None, None, "l"),
 ]
 PARAMS = pytest.mark.parametrize(
     "batch,dim,seqlen,groups,bc,opts,bax,dax,lax", [c[1:] for c in CASES], ids=[c[0] for c in CASES]
@@ -79,6 +89,11 @@ def test_forward(mesh, batch, dim, seqlen, groups, bc, opts, bax, dax, lax, layo
     hlo = f.lower(placed).compile().as_text()
     assert not long_collectives(hlo, seqlen), long_collectives(hlo, seqlen)
     assert "all-gather" in hlo  # the summaries do cross the devices: the check above saw them
+    # The chunk records' way exactly where the CUDA forward would split a shard, else the carry's.
+    shard_len = seqlen // np.prod([mesh.shape[a] for a in ((lax,) if isinstance(lax, str) else lax)])
+    split_shard = xla_ssm._lib.size("xla_ssm_selective_scan_chunk_records_count", batch, dim, shard_len, 5) > 1
+    assert ("xla_ssm_selective_scan_chunk_records" in hlo) == split_shard
+    assert ("xla_ssm_selective_scan_carry_fwd" in hlo) != split_shard
 
 
 @PARAMS

@@ -132,7 +132,8 @@ def test_selective_scan_packed(signatures, calls, h0):
 
 @pytest.mark.parametrize("z, bias, softplus, layout", list(itertools.product([False, True], [False, True], [False, True], ["bdl", "bld"])))
 def test_selective_scan_carry(signatures, calls, z, bias, softplus, layout):
-    """The seqlen-sharded scan's carry calls (the sharded lowering itself runs only under a mesh)."""
+    """The seqlen-sharded scan's calls: chunk records, the forward given them, the carry (the
+    sharded lowering itself runs only under a mesh)."""
     from xla_ssm import _scan, _scan_seq
 
     rng = np.random.default_rng(5)
@@ -144,12 +145,16 @@ def test_selective_scan_carry(signatures, calls, z, bias, softplus, layout):
     ops = [u, delta, A, C, C] + ([rnd(rng, x_shape)] if z else []) + ([rnd(rng, (dim,))] if bias else [])
     shard = _scan_seq._Shard(cfg, ops)
 
-    def both(u, h):
+    def all_calls(u, h):
         sums = shard.interval_sums(16)
-        return shard.add_carried(u, h, sums, 16), shard.pull(u, sums, 16)
+        records = _scan_seq.chunk_records(cfg, u, delta, A, C, shard.bias)
+        call = _scan._Call("fwd", cfg._replace(has_initial_state=True), 32)
+        given = _scan._ffi_call(call, [*shard.plain, h], records)
+        return shard.add_carried(u, h, sums, 16), shard.pull(u, sums, 16), given
 
-    jax.make_jaxpr(both)(u, rnd(rng, (batch, dim, n)))
-    check(signatures, calls, ["xla_ssm_selective_scan_carry_fwd", "xla_ssm_selective_scan_carry_bwd"])
+    jax.make_jaxpr(all_calls)(u, rnd(rng, (batch, dim, n)))
+    targets = ["carry_fwd", "carry_bwd", "chunk_records", "fwd"]
+    check(signatures, calls, [f"xla_ssm_selective_scan_{t}" for t in targets])
 
 
 @pytest.mark.parametrize("d, z, bias, h0", list(itertools.product([False, True], repeat=4)))

@@ -256,6 +256,7 @@ fn capi_dtype(code: i32) -> XlaSsmDtype {
 enum Op {
     ScanFwd,
     ScanBwd,
+    ChunkRecords,
     CarryFwd,
     CarryBwd,
     SsdFwd,
@@ -272,6 +273,7 @@ impl Op {
         match target {
             "xla_ssm_selective_scan_fwd" => Op::ScanFwd,
             "xla_ssm_selective_scan_bwd" => Op::ScanBwd,
+            "xla_ssm_selective_scan_chunk_records" => Op::ChunkRecords,
             "xla_ssm_selective_scan_carry_fwd" => Op::CarryFwd,
             "xla_ssm_selective_scan_carry_bwd" => Op::CarryBwd,
             "xla_ssm_ssd_fwd" => Op::SsdFwd,
@@ -865,9 +867,15 @@ fn shape_expect(s: &Setup, ret: bool, i: usize, dims: &[i64]) -> Expect {
             return either(&[SHAPE]); // another width, and nothing else sized by it
         }
     }
-    if matches!(s.op, Op::CarryFwd | Op::CarryBwd) && !ret && name == "C" && dims.len() == 4 {
-        // The carry targets take C without B: another group count dividing dim is another valid call.
-        let (c, g) = (&s.operand_entry("C").dims, if s.bld() { 2 } else { 1 });
+    let lone_bc = match s.op {
+        Op::CarryFwd | Op::CarryBwd => "C",
+        Op::ChunkRecords => "B",
+        _ => "",
+    };
+    if !ret && name == lone_bc && dims.len() == 4 {
+        // The carry targets take C without B, the records B without C: another group count
+        // dividing dim is another valid call.
+        let (c, g) = (&s.operand_entry(lone_bc).dims, if s.bld() { 2 } else { 1 });
         let dim = s.operand_entry("A").dims[0];
         let others_kept = (0..4).all(|k| k == g || dims[k] == c[k]);
         if others_kept && dims[g] >= 1 && dim % dims[g] == 0 {
@@ -898,9 +906,13 @@ fn dtype_expect(s: &Setup, ret: bool, i: usize, dtype: i32) -> Expect {
     if !ret && weight && !bias && (dtype == F32 || dtype == s.operand_entry("x").dtype) {
         return Expect::Ok; // the weight is f32 or x's dtype; the bias would have to match it
     }
-    let carry_c = matches!(s.op, Op::CarryFwd | Op::CarryBwd) && !ret && name == "C";
-    if carry_c && (dtype == F32 || dtype == s.operand_entry("delta").dtype) {
-        return Expect::Ok; // C without B: f32 or the inputs' dtype, as the scan's B and C
+    let lone_bc = match s.op {
+        Op::CarryFwd | Op::CarryBwd => name == "C",
+        Op::ChunkRecords => name == "B",
+        _ => false,
+    };
+    if !ret && lone_bc && (dtype == F32 || dtype == s.operand_entry("delta").dtype) {
+        return Expect::Ok; // C without B (B without C): f32 or the inputs' dtype, as the scan's B and C
     }
     invalid(&[&["dtype"]])
 }
@@ -917,8 +929,8 @@ fn scan_seqlen(s: &Setup) -> i64 {
 
 /// What the call makes of attribute `name` missing (or unreadable as a name).
 fn missing_expect(s: &Setup, name: &str) -> Expect {
-    if name == "has_cu_seqlens" {
-        // Optional (false: not packed): cu_seqlens is then one operand too many.
+    if name == "has_cu_seqlens" || name == "has_chunk_records" {
+        // Optional (false: not packed, no records): that operand is then one too many.
         return invalid(&[&["operands"]]);
     }
     if s.op == Op::ScanFwd && name == "checkpoint_len" {
@@ -934,7 +946,7 @@ fn missing_expect(s: &Setup, name: &str) -> Expect {
 /// What the call makes of attribute `name` called `new_name` instead: a required one is missing; an
 /// optional one's new name is an attribute the target does not read.
 fn renamed_expect(s: &Setup, name: &str, new_name: &str) -> Expect {
-    if (s.op == Op::ScanFwd && name == "checkpoint_len") || name == "has_cu_seqlens" {
+    if (s.op == Op::ScanFwd && name == "checkpoint_len") || name == "has_cu_seqlens" || name == "has_chunk_records" {
         return invalid_named(new_name, &[&["unknown attribute"]]);
     }
     missing_expect(s, name)

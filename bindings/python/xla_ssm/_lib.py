@@ -17,6 +17,7 @@ LIBRARY_NAME = "libxla_ssm.so"
 TARGETS = (
     "xla_ssm_selective_scan_fwd",
     "xla_ssm_selective_scan_bwd",
+    "xla_ssm_selective_scan_chunk_records",
     "xla_ssm_selective_scan_carry_fwd",
     "xla_ssm_selective_scan_carry_bwd",
     "xla_ssm_selective_state_update",
@@ -82,6 +83,15 @@ def load() -> ctypes.CDLL:
         lib.xla_ssm_selective_scan_fwd_workspace_bytes.argtypes = [ctypes.c_int64] * 4
         lib.xla_ssm_selective_scan_bwd_workspace_bytes.restype = ctypes.c_int64
         lib.xla_ssm_selective_scan_bwd_workspace_bytes.argtypes = [ctypes.c_int64] * 5
+        for fn, args in (
+            ("xla_ssm_selective_scan_chunk_records_count", 4),  # (batch, dim, seqlen, dstate)
+            ("xla_ssm_selective_scan_chunk_record_floats", 1),  # (dstate)
+        ):
+            sizer = getattr(lib, fn, None)
+            if sizer is None:
+                raise OSError(f"xla_ssm: {path} does not export {fn}")
+            sizer.restype = ctypes.c_int64
+            sizer.argtypes = [ctypes.c_int64] * args
         for fn in (
             "xla_ssm_ssd_fwd_workspace_bytes",
             "xla_ssm_ssd_bwd_workspace_bytes",
@@ -122,9 +132,9 @@ def load() -> ctypes.CDLL:
         return lib
 
 
-def workspace_bytes(sizer: str, *sizes: int) -> int:
-    """Bytes of device workspace from the library's `sizer` (e.g. "xla_ssm_ssd_fwd_workspace_bytes");
-    a shape the library refuses raises ValueError with its reason."""
+def size(sizer: str, *sizes: int) -> int:
+    """A size from the library's `sizer` (e.g. "xla_ssm_ssd_fwd_workspace_bytes": bytes of device
+    workspace); a shape the library refuses raises ValueError with its reason."""
     lib = load()
     n = getattr(lib, sizer)(*sizes)
     if n < 0:

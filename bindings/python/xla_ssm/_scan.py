@@ -141,10 +141,19 @@ def _attrs(cfg: _Cfg):
 
 def _raw(call: _Call, *ops):
     """One FFI call on whole (or, under partitioning, per-shard) operands in ABI order."""
+    return _ffi_call(call, ops)
+
+
+def _ffi_call(call: _Call, ops, chunk_records=None):
+    """_raw; a forward given `chunk_records` (`_scan_seq._Shard.chunk_records` of the same inputs)
+    skips the CUDA split's first pass."""
     cfg = call.cfg
     u, A, B = ops[0], ops[2], ops[3]
     batch, dim, seqlen, dstate, groups = _sizes(cfg, u, A, B)
     attrs = _attrs(cfg)
+    if chunk_records is not None:
+        ops = (*ops, chunk_records)
+        attrs["has_chunk_records"] = np.bool_(True)
     n_ck = -(-seqlen // call.checkpoint_len) if call.checkpoint_len else 0
     state_rows = ops[len(_grad_roles(cfg))].shape[0] - 1 if cfg.packed else batch  # packed: num_seqs
     if call.kind == "fwd":
@@ -152,14 +161,14 @@ def _raw(call: _Call, *ops):
         if call.checkpoint_len:
             attrs["checkpoint_len"] = np.int64(call.checkpoint_len)
             results.append(jax.ShapeDtypeStruct((batch, dim, n_ck, dstate), _F32))
-        ws = _lib.workspace_bytes("xla_ssm_selective_scan_fwd_workspace_bytes", batch, dim, seqlen, dstate)
+        ws = _lib.size("xla_ssm_selective_scan_fwd_workspace_bytes", batch, dim, seqlen, dstate)
         return _ffi(FWD, results, ws, ops, attrs)
     _lib.require(BWD)
     attrs["checkpoint_len"] = np.int64(call.checkpoint_len)
     attrs["has_dfinal_state"] = np.bool_(call.has_dfinal_state)
     n = len(_grad_roles(cfg))
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ops[:n]]  # gradients: primal shapes and dtypes
-    ws = _lib.workspace_bytes("xla_ssm_selective_scan_bwd_workspace_bytes", batch, dim, seqlen, dstate, groups)
+    ws = _lib.size("xla_ssm_selective_scan_bwd_workspace_bytes", batch, dim, seqlen, dstate, groups)
     return _ffi(BWD, results, ws, ops, attrs)
 
 
@@ -228,7 +237,7 @@ def _factor_sizes(call: _Call):
 
 
 def _seq_lower(call: _Call, plan, mesh):
-    return _scan_seq.lower(call, plan[3], mesh, _raw) if plan[3] else None
+    return _scan_seq.lower(call, plan[3], mesh, _ffi_call) if plan[3] else None
 
 
 # Batch, dim and seqlen (with the checkpoint axis) pass through; dstate, and packed sequences' rows

@@ -4,12 +4,15 @@ custom_partitioning: no device ever holds more than its shard of the sequence.
 The recurrence is linear in its state: a shard scanned from a zero state differs from the true scan
 only by its incoming state h_in carried forward, h_t += exp(A cs_t) h_in with cs_t the cumulative dt
 of the shard up to step t. So each device
-  1. scans its shard from zero (the library's forward): outputs, end state, checkpoints;
-  2. all-gathers every shard's (decay exp(A cs_end), end state): (shards, batch, dim, dstate) f32;
-  3. forms its h_in from the shards before it, and the true final state from all of them;
-  4. adds C_t . exp(A cs_t) h_in (times silu(z)) to its outputs (`xla_ssm_selective_scan_carry_fwd`,
-     in place: no rescan, and each channel stops where its carried state has decayed below f32's
-     range) and exp(A cs) h_in to its checkpoints.
+  1. records what each chunk of its shard hands on from a zero state, and its sum of dt
+     (`xla_ssm_selective_scan_chunk_records`: the CUDA forward's first pass, over every chunk);
+  2. folds them into its shard's end state from zero and decay exp(A cs_end) (small: a record per
+     chunk and channel);
+  3. all-gathers every shard's (decay, end state): (shards, batch, dim, dstate) f32, and forms its
+     h_in from the shards before it, and the true final state from all of them;
+  4. runs the library's forward on its shard from h_in, given the records: the forward's first
+     pass is the one of step 1, so a shard costs about one forward of its length, and its outputs
+     and checkpoints need no correction.
 The backward mirrors it: each shard's outputs pull on its h_in by r = sum_t gy_t C_t exp(A cs_t)
 (gy: dout through the gate; `xla_ssm_selective_scan_carry_bwd`), the shards' (decay, r) are
 all-gathered, each device forms the gradient arriving at its end state from the shards after it,
@@ -30,6 +33,10 @@ from . import _lib
 from ._selective_scan import _softplus
 
 _F32 = jnp.float32
+RECORDS = "xla_ssm_selective_scan_chunk_records"
+# Where the forward splits a shard's sequence, so that its first pass can come before the exchange
+# (jax's platform name for CUDA devices). The tests add "cpu" to run that way on host devices.
+RECORDS_PLATFORMS = ("gpu",)
 CARRY_FWD = "xla_ssm_selective_scan_carry_fwd"
 CARRY_BWD = "xla_ssm_selective_scan_carry_bwd"
 # Steps a warp of the carry kernels takes on (a segment): a slowly decaying channel's steps run in
@@ -62,6 +69,14 @@ class _Shard:
     def interval_sums(self, n):
         """The sums of dt over intervals of n steps (the last may be shorter): (b, d, ceil(l / n))."""
         return _regroup(self.dt(), n)
+
+    def chunk_records(self, platform):
+        """chunk_records of this shard on devices of `platform`; None where the forward would not
+        split it: the CPU never does, nor CUDA a shard of one chunk. Their first pass would then
+        cost a scan, where the carry costs what the decay leaves of one."""
+        if platform not in RECORDS_PLATFORMS or records_count(self.cfg, self.u, self.A) <= 1:
+            return None
+        return chunk_records(self.cfg, self.u, self.delta, self.A, self.B, self.bias)
 
     def _carry_call(self, target, result, first, dt_sums, segment_len, *extra):
         """The carry target on (first, delta, A, C[, z][, delta_bias], *extra, dt_sums)."""
@@ -96,6 +111,37 @@ class _Shard:
         return jnp.exp(self.A[None] * dt_sums.sum(axis=-1)[..., None])
 
 
+def records_count(cfg, u, A):
+    """Chunks of the records of a shard: the CUDA forward's split of it (1: none)."""
+    batch, dim, seqlen = (u.shape if cfg.layout == "bdl" else (u.shape[0], u.shape[2], u.shape[1]))
+    return _lib.size("xla_ssm_selective_scan_chunk_records_count", batch, dim, seqlen, A.shape[1])
+
+
+def chunk_records(cfg, u, delta, A, B, delta_bias=None):
+    """Each chunk's end state from zero and sum of dt (`xla_ssm_selective_scan_chunk_records`,
+    docs/selective_scan_fwd.md, "Chunk records"): (n_chunks, batch, dim, record_floats) f32."""
+    floats = _lib.size("xla_ssm_selective_scan_chunk_record_floats", A.shape[1])
+    result = jax.ShapeDtypeStruct((records_count(cfg, u, A), u.shape[0], A.shape[0], floats), _F32)
+    attrs = dict(
+        layout=cfg.layout,
+        delta_softplus=np.bool_(cfg.delta_softplus),
+        has_delta_bias=np.bool_(delta_bias is not None),
+    )
+    _lib.require(RECORDS)
+    ops = [u, delta, A, B] + ([delta_bias] if delta_bias is not None else [])
+    return jax.ffi.ffi_call(RECORDS, result)(*ops, **attrs)
+
+
+def fold_records(records, A):
+    """The shard's end state from zero and its decay exp(A cs_end), (batch, dim, dstate) each, from
+    its chunk records: end = sum_k exp(A (dt after chunk k)) end_k."""
+    dstate = A.shape[1]
+    sums = records[..., -1]  # (n_chunks, batch, dim)
+    after = jnp.cumsum(sums[::-1], axis=0)[::-1] - sums
+    end = jnp.sum(jnp.exp(A * after[..., None]) * records[..., :dstate], axis=0)
+    return jnp.exp(A * sums.sum(axis=0)[..., None]), end
+
+
 def _regroup(x, n):
     """Sums of n consecutive entries along the last axis of (b, d, k), zero-padded: (b, d, ceil(k / n))."""
     x = jnp.pad(x, ((0, 0), (0, 0), (0, -x.shape[-1] % n)))
@@ -128,14 +174,22 @@ def carry_back(decay, pull, dfinal, axes, shards):
 
 
 def lower(call, axes, mesh, raw):
-    """The per-shard function of `call` with seqlen sharded over mesh axes `axes`."""
+    """The per-shard function of `call` with seqlen sharded over mesh axes `axes`; `raw(call, ops,
+    chunk_records=None)` makes one FFI call."""
     shards = math.prod(mesh.shape[a] for a in axes)
     cfg = call.cfg
+    platform = mesh.devices.flat[0].platform
 
     def fwd(*ops):
         s = _Shard(cfg, ops)
+        records = s.chunk_records(platform)
+        if records is not None:  # the forward splits the shard: its first pass comes first
+            h_in, h = carry_in(*fold_records(records, s.A), s.h0, axes, shards)
+            local = call._replace(cfg=cfg._replace(has_initial_state=True))
+            res = raw(local, [*s.plain, h_in], records)
+            return (res[0], h, *res[2:])
         local = call._replace(cfg=cfg._replace(has_initial_state=False))
-        res = raw(local, *s.plain)
+        res = raw(local, s.plain)
         out, end = res[0], res[1]
         if not call.checkpoint_len:
             sums = s.interval_sums(SEGMENT_LEN)
@@ -161,7 +215,7 @@ def lower(call, axes, mesh, raw):
         sums = s.interval_sums(SEGMENT_LEN)
         g_end, g = carry_back(s.decay(sums), s.pull(dout, sums), dfinal, axes, shards)
         local = call._replace(cfg=cfg._replace(has_initial_state=True), has_dfinal_state=True)
-        grads = raw(local, *s.plain, h_in, ckpt, dout, g_end)
+        grads = raw(local, [*s.plain, h_in, ckpt, dout, g_end])
         return (*grads[:-1], g) if cfg.has_initial_state else tuple(grads[:-1])
 
     return fwd if call.kind == "fwd" else bwd

@@ -144,10 +144,10 @@ def _raw(call: _Call, *ops):
             # and shard (it depends on headdim, dstate, chunk_size and the dtype only).
             chunk_dtype = _FLOATS[lib.xla_ssm_ssd_chunk_states_dtype(headdim, dstate, cfg.chunk_size, code)]
             results.append(jax.ShapeDtypeStruct((batch, heads, headdim, n_chunks, dstate), chunk_dtype))
-        ws = _lib.workspace_bytes(sizer.format("fwd"), *shape)
+        ws = _lib.size(sizer.format("fwd"), *shape)
         return _ffi(FWD, results, ws, ops, _attrs(call))
     results = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in ops[:n]]  # gradients: primal shapes and dtypes
-    ws = _lib.workspace_bytes(sizer.format("bwd"), *shape)
+    ws = _lib.size(sizer.format("bwd"), *shape)
     return _ffi(BWD, results, ws, ops, _attrs(call))
 
 

@@ -14,6 +14,9 @@ use crate::DType;
 use std::ffi::c_void;
 
 pub mod carry;
+pub mod records;
+
+pub use records::{chunk_records_count, validate_chunk_records, ChunkRecordsArgs, Records};
 
 /// Largest supported state size (the CUDA kernel spreads it over at most 32 lanes of 8 states).
 pub const MAX_DSTATE: i64 = 256;
@@ -84,6 +87,9 @@ pub struct FwdArgs<'a> {
     /// Scratch for the CUDA kernel's sequence split (see [`workspace_bytes`]); any dtype, contents
     /// undefined afterwards. Without it (or when it is too small) the scan runs unsplit.
     pub workspace: Option<&'a Tensor>,
+    /// The split's first pass, made beforehand by `selective_scan_chunk_records` on the same inputs
+    /// ([`records`]): the CUDA split reads them instead of making them.
+    pub chunk_records: Option<&'a Tensor>,
 }
 
 /// Kernel parameters, passed by value to the CUDA kernel; generated into kernels/params.h as
@@ -160,6 +166,8 @@ validated! {
         bc_time_varying: bool,
         /// Size of the workspace the host passed (0: none).
         workspace_bytes: i64,
+        /// Where the sequence split's chunk records come from, or that they are all the call makes.
+        records: Records,
     }
 }
 
@@ -196,7 +204,7 @@ pub fn tiled_channels(tpc: i64) -> i64 {
 
 /// f32s per (chunk, batch, channel) record of the split: end state (the kernel's states for this
 /// dstate), then sum of dt (`Tiled<TPC>::kChunkRecord`).
-fn split_record_floats(dstate: i64) -> i64 {
+pub fn split_record_floats(dstate: i64) -> i64 {
     let tpc = tiled_threads_per_channel(dstate);
     tiled_thread_states(tpc) * tpc + 1
 }
@@ -220,9 +228,16 @@ pub fn split_plan(batch: i64, dim: i64, seqlen: i64) -> (i64, i64) {
         return (seqlen, 1);
     }
     let chunks = (FWD_SPLIT_TARGET_BLOCKS / tiles).min(seqlen / SPLIT_MIN_CHUNK);
-    // A whole number of tile steps (32 for 2-byte types, 16 for f32).
-    let chunk_len = ((seqlen + chunks - 1) / chunks + 31) / 32 * 32;
-    (chunk_len, (seqlen + chunk_len - 1) / chunk_len)
+    let chunk_len = chunk_len_of(seqlen, chunks);
+    let n_chunks = (seqlen + chunk_len - 1) / chunk_len;
+    // The same count, balanced: chunk_len is then a function of (seqlen, n_chunks) alone, which
+    // the chunk records' definition states.
+    (chunk_len_of(seqlen, n_chunks), n_chunks)
+}
+
+/// Steps a chunk of `chunks`: a whole number of tile steps (32 for 2-byte types, 16 for f32).
+fn chunk_len_of(seqlen: i64, chunks: i64) -> i64 {
+    ((seqlen + chunks - 1) / chunks + 31) / 32 * 32
 }
 
 /// Bytes of workspace that let the CUDA forward scan split the sequence (0: it never splits).
@@ -642,7 +657,11 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Fwd> {
         ..k.params
     };
     let workspace_bytes = args.workspace.map_or(0, |w| w.numel() * w.dtype.size_bytes());
-    Ok(Fwd { params, dtype: k.dtype, bc_dtype: k.bc_dtype, bc_time_varying: k.time_varying, workspace_bytes })
+    let records = match args.chunk_records {
+        None => Records::Made,
+        Some(t) => Records::Given(records::check_records_operand(op, t, &params, &results)?),
+    };
+    Ok(Fwd { params, dtype: k.dtype, bc_dtype: k.bc_dtype, bc_time_varying: k.time_varying, workspace_bytes, records })
 }
 
 /// Runs a validated forward call.
@@ -653,13 +672,17 @@ pub fn run_fwd(fwd: &Fwd, platform: Platform) -> Result<()> {
             if let Some(cu) = unsafe { fwd.params.host_cu_seqlens() } {
                 check_cu_seqlens_values("selective_scan_fwd", cu, fwd.params.seqlen)?;
             }
-            crate::cpu::selective_scan::fwd(fwd);
+            // Given records are the forward's own first pass: the CPU, which has none, ignores them.
+            match fwd.records {
+                Records::Only(_) => crate::cpu::records::run(fwd),
+                Records::Made | Records::Given(_) => crate::cpu::selective_scan::fwd(fwd),
+            }
             Ok(())
         }
         #[cfg(feature = "cuda")]
         Platform::Cuda { stream } => crate::cuda::selective_scan::fwd(fwd, stream),
         #[cfg(not(feature = "cuda"))]
-        Platform::Cuda { .. } => Err(no_cuda("selective_scan_fwd")),
+        Platform::Cuda { .. } => Err(no_cuda(fwd.records.op())),
     }
 }
 

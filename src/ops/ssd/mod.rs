@@ -1189,6 +1189,7 @@ pub(crate) fn scan_fwd(ssd: &Ssd, s: &Scratch) -> Result<selective_scan::Fwd> {
         checkpoints: save.then_some(&checkpoints),
         checkpoint_len,
         workspace: (!s.scan_workspace.is_null()).then_some(&workspace),
+        chunk_records: None,
     })
     .map_err(internal("ssd_fwd"))
 }
