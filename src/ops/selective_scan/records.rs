@@ -31,11 +31,13 @@ pub enum Records {
     Only(*mut f32),
 }
 
+const OP: &str = "selective_scan_chunk_records";
+
 impl Records {
     /// The name of the call, for messages.
     pub fn op(self) -> &'static str {
         match self {
-            Records::Only(_) => "selective_scan_chunk_records",
+            Records::Only(_) => OP,
             Records::Made | Records::Given(_) => "selective_scan_fwd",
         }
     }
@@ -80,7 +82,7 @@ pub struct ChunkRecordsArgs<'a> {
 
 /// Checks every operand; the message names the operand, what was expected and what came.
 pub fn validate_chunk_records(args: &ChunkRecordsArgs) -> Result<Fwd> {
-    let op = Records::Only(std::ptr::null_mut()).op();
+    let op = OP;
     let inputs = Inputs {
         u: args.u,
         delta: args.delta,
