@@ -435,6 +435,18 @@ int64_t xla_ssm_ssd_fwd_workspace_bytes(int64_t batch,
                                         int64_t chunk_size,
                                         XlaSsmDtype dtype);
 
+// f32s of the part records `xla_ssm_ssd_part_records` makes for this shape and dtype (its
+// `part_records` result), 0 where the target refuses the shape (docs/ssd.md, "Part records"); -1
+// for a shape or dtype every call would refuse (`xla_ssm_last_error()` says why).
+int64_t xla_ssm_ssd_part_records_floats(int64_t batch,
+                                        int64_t seqlen,
+                                        int64_t heads,
+                                        int64_t headdim,
+                                        int64_t dstate,
+                                        int64_t groups,
+                                        int64_t chunk_size,
+                                        XlaSsmDtype dtype);
+
 // Bytes of device workspace the CUDA SSD backward needs for this shape and dtype; -1 for a shape or
 // dtype a call would refuse (`xla_ssm_last_error()` says why). Depends on these values only.
 int64_t xla_ssm_ssd_bwd_workspace_bytes(int64_t batch,
@@ -566,6 +578,18 @@ XlaSsmDtype xla_ssm_ssd_chunk_states_dtype(int64_t headdim,
 // Bytes of device workspace the CUDA SSD forward needs for this shape and dtype; -1 for a shape or
 // dtype a call would refuse (`xla_ssm_last_error()` says why). Depends on these values only.
 int64_t xla_ssm_ssd_fwd_workspace_bytes(int64_t batch,
+                                        int64_t seqlen,
+                                        int64_t heads,
+                                        int64_t headdim,
+                                        int64_t dstate,
+                                        int64_t groups,
+                                        int64_t chunk_size,
+                                        XlaSsmDtype dtype);
+
+// f32s of the part records `xla_ssm_ssd_part_records` makes for this shape and dtype (its
+// `part_records` result), 0 where the target refuses the shape (docs/ssd.md, "Part records"); -1
+// for a shape or dtype every call would refuse (`xla_ssm_last_error()` says why).
+int64_t xla_ssm_ssd_part_records_floats(int64_t batch,
                                         int64_t seqlen,
                                         int64_t heads,
                                         int64_t headdim,
@@ -715,6 +739,19 @@ XLA_FFI_Error *xla_ssm_ssd_bwd_cpu(XLA_FFI_CallFrame *call_frame);
 // # Safety
 // Called by XLA with a valid call frame.
 XLA_FFI_Error *xla_ssm_ssd_bwd_cuda(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_ssd_part_records` for platform "cpu" (docs/ssd.md, "Part records").
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_ssd_part_records_cpu(XLA_FFI_CallFrame *call_frame);
+
+// XLA FFI handler of `xla_ssm_ssd_part_records` for platform "CUDA". Runs on XLA's stream,
+// allocates nothing and never synchronizes, so it is safe in CUDA graphs.
+//
+// # Safety
+// Called by XLA with a valid call frame.
+XLA_FFI_Error *xla_ssm_ssd_part_records_cuda(XLA_FFI_CallFrame *call_frame);
 
 // XLA FFI handler of `xla_ssm_selective_scan_chunk_records` for platform "cpu"
 // (docs/selective_scan_fwd.md, "Chunk records").

@@ -63,3 +63,21 @@ SSD_FWD_MMA(bf16, 64)
 SSD_FWD_MMA(bf16, 128)
 SSD_FWD_MMA(f16, 64)
 SSD_FWD_MMA(f16, 128)
+
+// ssd_part_records' fold (src/cuda/ssd_mma.rs, `part_records`): each (batch, head)'s end state from
+// zero, acc <- 2^decay_r acc + state_r over the parts' records in order (as `fold_records`), into the
+// final states. `a.split` is the records' split, of n_parts + 1 parts: n_parts records. Grid-stride
+// over the (batch * heads) x kP x N floats, 256 threads a block.
+extern "C" __global__ void __launch_bounds__(256) ssd_fold_part_records(const SsdMmaParams a) {
+    const SsdParams& p = a.p;
+    const int64_t bh = p.batch * p.heads, state = int64_t(ssd_mma::kP) * p.dstate, n = a.split.n_parts - 1;
+    const float* states = static_cast<const float*>(p.workspace);
+    const float* decays = states + n * bh * state;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < bh * state;
+         i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t row = i / state;
+        float acc = 0.f;
+        for (int64_t r = 0; r < n; ++r) acc = fmaf(exp2f(decays[r * bh + row]), acc, states[r * bh * state + i]);
+        p.final_states[i] = acc;
+    }
+}

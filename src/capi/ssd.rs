@@ -233,6 +233,7 @@ fn ssd_fwd(args: *const XlaSsmSsdFwdArgs, platform: Platform) -> Result<()> {
         final_states: &final_states,
         chunk_states: some(&chunk_states),
         workspace: some(&workspace),
+        part_records: None,
     })?;
     run_fwd(&ssd, platform)
 }
@@ -355,6 +356,27 @@ pub extern "C" fn xla_ssm_ssd_fwd_workspace_bytes(
     size(|| {
         let shape = ssd_shape(op, [batch, seqlen, heads, headdim, dstate, groups, chunk_size], dtype)?;
         Ok(crate::ops::ssd::plan::fwd_workspace_bytes(&shape))
+    })
+}
+
+/// f32s of the part records `xla_ssm_ssd_part_records` makes for this shape and dtype (its
+/// `part_records` result), 0 where the target refuses the shape (docs/ssd.md, "Part records"); -1
+/// for a shape or dtype every call would refuse (`xla_ssm_last_error()` says why).
+#[no_mangle]
+pub extern "C" fn xla_ssm_ssd_part_records_floats(
+    batch: i64,
+    seqlen: i64,
+    heads: i64,
+    headdim: i64,
+    dstate: i64,
+    groups: i64,
+    chunk_size: i64,
+    dtype: XlaSsmDtype,
+) -> i64 {
+    let op = "xla_ssm_ssd_part_records_floats";
+    size(|| {
+        let shape = ssd_shape(op, [batch, seqlen, heads, headdim, dstate, groups, chunk_size], dtype)?;
+        Ok(crate::ops::ssd::plan::part_records_floats(&shape))
     })
 }
 

@@ -8,7 +8,7 @@ use super::elems::{typed, ElemVec, Elems, ElemsOut, Io};
 use super::math::softplus_std;
 use super::{selective_scan, selective_scan_bwd};
 use crate::error::Result;
-use crate::ops::ssd::{scan_bwd, scan_fwd, Scratch, Ssd, SsdBwd, SsdParams};
+use crate::ops::ssd::{plan, scan_bwd, scan_fwd, Scratch, Ssd, SsdBwd, SsdParams, SsdRecords};
 use crate::DType;
 use std::ffi::c_void;
 
@@ -135,6 +135,21 @@ pub(crate) fn fwd(ssd: &Ssd) -> Result<()> {
             out.store(0, 1, &checkpoints);
         }
     }
+    Ok(())
+}
+
+/// `ssd_part_records` on the CPU, which has no split of its own: the end states from zero are the
+/// forward's final states (its outputs, into scratch, are dropped), and the records zeros (a CPU
+/// forward given them ignores them).
+pub(crate) fn part_records(ssd: &Ssd) -> Result<()> {
+    let SsdRecords::Only(records) = ssd.records() else { unreachable!("a part-records call") };
+    let p = ssd.params();
+    let floats = plan::part_records_floats(&p.shape(ssd.dtype()));
+    let mut y = ElemVec::zeros(ssd.dtype(), (p.rows() * p.headdim).max(0) as usize);
+    let forward = Ssd::forward_of_part_records(ssd, y.as_mut_ptr());
+    fwd(&forward)?;
+    // SAFETY: validated: the records result holds `floats` f32s, which nothing else accesses.
+    unsafe { slice_mut(records, floats) }.fill(0.0);
     Ok(())
 }
 

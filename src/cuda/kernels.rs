@@ -158,6 +158,8 @@ pub fn ssd_bwd_per_type(kernel: &str, dtype: DType) -> String {
     format!("ssd_bwd_{kernel}_{}", dtype.name())
 }
 pub const SSD_BWD_REDUCE_PARAMS: &str = "ssd_bwd_reduce_params";
+/// `ssd_part_records`' fold of its records into the end states.
+pub const SSD_FOLD_PART_RECORDS: &str = "ssd_fold_part_records";
 
 /// Every (module, kernel) a launcher can ask for.
 pub fn all() -> Vec<(&'static str, String)> {
@@ -222,6 +224,7 @@ pub fn all() -> Vec<(&'static str, String)> {
     names.push((SSD_GLUE, SSD_GLUE_PAD_ROWS_2.to_string()));
     names.push((SSD_GLUE, SSD_GLUE_PAD_ROWS_4.to_string()));
     names.push((SSD_BWD, SSD_BWD_REDUCE_PARAMS.to_string()));
+    names.push((SSD_FWD, SSD_FOLD_PART_RECORDS.to_string()));
     for dtype in SSD_MMA_TYPES {
         names.push((SSD_GLUE, ssd_glue("widen_chunk_states", dtype)));
         names.push((SSD_GLUE, ssd_glue("split_heads_expand", dtype)));

@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::ops::ssd::plan::{self, Layout};
 use crate::ops::ssd::{
     scan_bwd, scan_fwd, GlueParams, PadRows, PaddedState, Scratch, SplitHeadsParams, Ssd, SsdBwd, SsdBwdParams,
-    SsdParams,
+    SsdParams, SsdRecords,
 };
 use crate::ops::{selective_scan, Platform};
 use crate::DType;
@@ -35,15 +35,23 @@ const MAX_BLOCKS: u64 = 8192;
 /// The forward on `stream`: the first path that takes the call.
 pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
     let p = &ssd.params();
-    let shape = shape(p, ssd.dtype());
+    let shape = p.shape(ssd.dtype());
     if !plan::mma_applies(&shape) {
         return generic_fwd(ssd, stream);
     }
     if !ssd_mma::aligned(p) {
-        return Err(Error::invalid(
-            "ssd_fwd: the CUDA target takes x, B and C 16-byte aligned, z and y 4-byte aligned, the states \
+        return Err(Error::invalid(format!(
+            "{}: the CUDA target takes x, B and C 16-byte aligned, z and y 4-byte aligned, the states \
              8-byte aligned (XLA's buffers always are)",
-        ));
+            ssd.records().op()
+        )));
+    }
+    // Part records exist only where the kernels run the call as it is (validation): no widened
+    // state, no split heads, no scratch.
+    match ssd.records() {
+        SsdRecords::Only(records) => return ssd_mma::part_records(ssd, &shape, records, stream),
+        SsdRecords::Given(records) => return ssd_mma::fwd_given(ssd, &shape, records, stream),
+        SsdRecords::Made => {}
     }
     let (ws, sizer) = if p.packed() {
         (plan::MmaWorkspace::packed(&shape, p.num_seqs), "xla_ssm_ssd_packed_fwd_workspace_bytes")
@@ -73,7 +81,7 @@ pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
 /// The backward on `stream`.
 pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
     let p = &bwd.params().fwd;
-    let shape = shape(p, bwd.dtype());
+    let shape = p.shape(bwd.dtype());
     let q = bwd.params();
     let with_states = !p.initial_states.is_null() || !q.dfinal_states.is_null();
     if !plan::mma_applies(&shape) || (p.packed() && with_states) {
@@ -180,19 +188,6 @@ fn split_heads(kernel: &str, split: &SplitHeadsParams, dtype: DType, stream: *mu
     unsafe { launch(stream, MODULE, &kernels::ssd_glue(&format!("split_heads_{kernel}"), dtype), config, split) }
 }
 
-fn shape(p: &SsdParams, dtype: DType) -> plan::Shape {
-    plan::Shape {
-        batch: p.batch,
-        seqlen: p.seqlen,
-        heads: p.heads,
-        headdim: p.headdim,
-        dstate: p.dstate,
-        groups: p.groups,
-        chunk_size: p.chunk_size,
-        elem_bytes: dtype.size_bytes(),
-    }
-}
-
 /// The workspace's first `plan::ALIGN`-aligned byte, once it is known to hold `layout`.
 fn workspace_base(op: &str, p: &SsdParams, layout: &Layout, sizer: &str) -> Result<*mut u8> {
     workspace_at(op, p, layout.bytes, sizer)
@@ -269,7 +264,7 @@ fn expand(g: &GlueParams, dtype: DType, stream: *mut c_void) -> Result<()> {
 /// The generic path's layout and its workspace sizer: packed calls have their own sizers (the
 /// backward's layout with the f32 copy of chunk_states where those are in T).
 fn generic_layout(p: &SsdParams, dtype: DType, backward: bool) -> (Layout, &'static str) {
-    let s = shape(p, dtype);
+    let s = p.shape(dtype);
     match (p.packed(), backward) {
         (false, false) => (plan::fwd_layout(&s), "xla_ssm_ssd_fwd_workspace_bytes"),
         (false, true) => (plan::bwd_layout(&s), "xla_ssm_ssd_bwd_workspace_bytes"),

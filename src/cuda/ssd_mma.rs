@@ -7,7 +7,7 @@
 //! kernel first recomputes y before the gate and a small kernel turns dy into its gradient (and dz).
 
 use super::kernels::{self, SSD_BWD as BWD_MODULE, SSD_FWD as FWD_MODULE};
-use super::{compute_capability, launch, launch_ex, LaunchConfig, Start};
+use super::{compute_capability, copy_async, launch, launch_ex, LaunchConfig, Start};
 use crate::error::Result;
 use crate::ops::ssd::plan::{self, Shape, MMA_TILE};
 use crate::ops::ssd::{BwdMmaParams, FwdMmaParams, Ssd, SsdBwd, SsdBwdParams, SsdParams};
@@ -118,6 +118,55 @@ pub(super) fn fwd(
     let main = kernels::ssd_fwd_mma(false, !p.z.is_null(), packed, dtype, dstate);
     // SAFETY: the parameters of a validated call (see `launch`).
     unsafe { launch(stream, FWD_MODULE, &main, blocks(p, split.n_parts, smem), &args) }
+}
+
+/// `ssd_part_records` (docs/ssd.md, "Part records"), for a shape the kernels run as it is. Its
+/// split's first pass over every part, the last included, with one record a part: states
+/// [n_parts][batch * heads][64][N], then decays [n_parts][batch * heads] (what `PartRecords` reads for
+/// a split of n_parts + 1 parts); a fold of them into the end states from zero; then the decays
+/// moved down over the last part's state, where a forward of n_parts parts reads them.
+pub(super) fn part_records(ssd: &Ssd, shape: &Shape, records: *mut f32, stream: *mut c_void) -> Result<()> {
+    let p = &ssd.params();
+    let bh = p.batch * p.heads;
+    if bh == 0 {
+        return Ok(());
+    }
+    let split = plan::part_records_split(shape);
+    let all_parts = plan::MmaFwdSplit { n_parts: split.n_parts + 1, ..split };
+    let args = FwdMmaParams { p: SsdParams { workspace: records as *mut c_void, ..*p }, split: all_parts };
+    let local = kernels::ssd_fwd_mma(true, false, false, ssd.dtype(), p.dstate);
+    // SAFETY: the parameters of a validated records call, whose result holds n_parts records and
+    // decays.
+    unsafe { launch(stream, FWD_MODULE, &local, blocks(p, split.n_parts, fwd_shared_bytes(p.dstate)), &args) }?;
+    let state_floats = bh * p.headdim * p.dstate;
+    let fold = flat(state_floats, REDUCE_MAX_BLOCKS);
+    // SAFETY: as above; the fold reads the records and writes the validated final states.
+    unsafe { launch(stream, FWD_MODULE, kernels::SSD_FOLD_PART_RECORDS, fold, &args) }?;
+    let states = state_floats * split.n_parts;
+    // SAFETY: both ranges lie in the records (n_parts states of state_floats, then n_parts * bh
+    // decays), and do not overlap (a state is larger than every decay).
+    unsafe {
+        copy_async(
+            stream,
+            records.add((states - state_floats) as usize) as *mut c_void,
+            records.add(states as usize) as *const c_void,
+            (split.n_parts * bh * 4) as usize,
+        )
+    }
+}
+
+/// The forward given the records of a part-records call on the same inputs: its split's second
+/// pass alone.
+pub(super) fn fwd_given(ssd: &Ssd, shape: &Shape, records: *const f32, stream: *mut c_void) -> Result<()> {
+    let p = &ssd.params();
+    if p.batch * p.heads == 0 {
+        return Ok(());
+    }
+    let split = plan::part_records_split(shape);
+    let args = FwdMmaParams { p: SsdParams { workspace: records as *mut c_void, ..*p }, split };
+    let main = kernels::ssd_fwd_mma(false, !p.z.is_null(), false, ssd.dtype(), p.dstate);
+    // SAFETY: the parameters of a validated call; the records (validated size) are only read.
+    unsafe { launch(stream, FWD_MODULE, &main, blocks(p, split.n_parts, fwd_shared_bytes(p.dstate)), &args) }
 }
 
 /// The backward, its scratch at `workspace` (the aligned start of at least

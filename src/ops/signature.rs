@@ -224,6 +224,7 @@ pub const SSD_FWD: Signature = Signature {
         opt("dt_bias", "has_dt_bias"),
         opt("initial_states", "has_initial_states"),
         opt("cu_seqlens", "has_cu_seqlens"),
+        opt("part_records", "has_part_records"),
     ],
     results: &[arg("y"), arg("final_states"), opt("chunk_states", "save_chunk_states")],
     workspace: true,
@@ -238,7 +239,18 @@ pub const SSD_FWD: Signature = Signature {
         SSD_ATTRS[7],
         flag("save_chunk_states"),
         Attr { name: "has_cu_seqlens", ty: Bool, optional: true },
+        Attr { name: "has_part_records", ty: Bool, optional: true },
     ],
+};
+
+/// The tensor-core forward's first pass alone (docs/ssd.md, "Part records"): the end states from
+/// zero, and the records a later forward's `part_records` takes.
+pub const SSD_PART_RECORDS: Signature = Signature {
+    op: "ssd_part_records",
+    operands: &[arg("x"), arg("dt"), arg("A"), arg("B"), opt("dt_bias", "has_dt_bias")],
+    results: &[arg("final_states"), arg("part_records")],
+    workspace: false,
+    attrs: &[SSD_ATTRS[0], SSD_ATTRS[1], SSD_ATTRS[2], SSD_ATTRS[3], SSD_ATTRS[6]],
 };
 
 pub const SSD_BWD: Signature = Signature {
@@ -388,7 +400,7 @@ pub const MAMBA_DECODE_STEP: Signature = Signature {
 };
 
 /// Every target, in the order `xla_ssm_target_signatures` lists them.
-pub const ALL: [&Signature; 12] = [
+pub const ALL: [&Signature; 13] = [
     &SELECTIVE_SCAN_FWD,
     &SELECTIVE_SCAN_BWD,
     &SELECTIVE_SCAN_CHUNK_RECORDS,
@@ -401,6 +413,7 @@ pub const ALL: [&Signature; 12] = [
     &MAMBA_DECODE_STEP,
     &SSD_FWD,
     &SSD_BWD,
+    &SSD_PART_RECORDS,
 ];
 
 /// The table as JSON: `[{"op": ..., "operands": [{"name": ..., "when": ...}], "results": [...],

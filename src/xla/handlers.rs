@@ -170,6 +170,28 @@ pub unsafe extern "C" fn xla_ssm_ssd_bwd_cuda(call_frame: *mut XLA_FFI_CallFrame
     })
 }
 
+/// XLA FFI handler of `xla_ssm_ssd_part_records` for platform "cpu" (docs/ssd.md, "Part records").
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_ssd_part_records_cpu(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, 0, |frame| ssd::part_records_from_frame(frame, Platform::Cpu))
+}
+
+/// XLA FFI handler of `xla_ssm_ssd_part_records` for platform "CUDA". Runs on XLA's stream,
+/// allocates nothing and never synchronizes, so it is safe in CUDA graphs.
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn xla_ssm_ssd_part_records_cuda(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    run_handler(call_frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, |frame| {
+        let stream = frame.stream()?;
+        ssd::part_records_from_frame(frame, Platform::Cuda { stream })
+    })
+}
+
 // ---- Decode-time targets (docs/decode.md). In-place operands are aliased to their results with
 // `input_output_aliases`; without the alias the handler copies the operand into the result first.
 

@@ -95,6 +95,12 @@ pub const TARGETS: &[Target] = &[
         cpu: handlers::xla_ssm_ssd_bwd_cpu,
         cuda: handlers::xla_ssm_ssd_bwd_cuda,
     },
+    Target {
+        name: "xla_ssm_ssd_part_records",
+        signature: &signature::SSD_PART_RECORDS,
+        cpu: handlers::xla_ssm_ssd_part_records_cpu,
+        cuda: handlers::xla_ssm_ssd_part_records_cuda,
+    },
 ];
 
 /// The signature of every target (`crate::ops::signature`) as JSON: what each takes and returns, by

@@ -20,9 +20,11 @@ COLLECTIVE = re.compile(r"\b(all-gather|all-to-all|collective-permute|all-reduce
 
 @pytest.fixture(autouse=True)
 def records_on_the_cpu(monkeypatch):
-    """The chunk records' way (docs/sharding.md) wherever the CUDA forward would split a shard, as
-    on a GPU: the CPU's own way is the carry."""
+    """The records' way (docs/sharding.md) wherever the CUDA forward would take it, as on a GPU:
+    the scan's chunk records where it would split a shard, SSD's part records where its
+    tensor-core kernels run the shape as it is. The CPU's own way is the carry (the product)."""
     monkeypatch.setattr(xla_ssm._scan_seq, "RECORDS_PLATFORMS", ("cpu", "gpu"))
+    monkeypatch.setattr(xla_ssm._ssd_seq, "RECORDS_PLATFORMS", ("cpu", "gpu"))
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +177,9 @@ def test_ssd_forward_and_gradients(mesh, batch, seqlen, heads, groups, chunk, op
     s.assert_close("y", y, want_y, s.Y_TOL[dtype])
     s.assert_close("final_states", st, want_st, s.STATE_TOL[dtype])
     assert y.sharding.is_equivalent_to(NamedSharding(mesh, specs["x"]), 4), y.sharding
-    assert not long_collectives(f.lower(placed).compile().as_text(), seqlen, chunk)
+    hlo = f.lower(placed).compile().as_text()
+    assert not long_collectives(hlo, seqlen, chunk)
+    assert ("xla_ssm_ssd_part_records" in hlo) == (dtype == BF16)  # the tensor-core shape has records
 
     w, v = s.cotangents(3, kw, dtype)
     w_placed = jax.device_put(w, NamedSharding(mesh, specs["x"]))

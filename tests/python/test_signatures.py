@@ -178,6 +178,29 @@ def test_ssd(signatures, calls, d, z, bias, h0):
     check(signatures, calls, ["xla_ssm_ssd_fwd", "xla_ssm_ssd_bwd"])
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_ssd_part_records(signatures, calls, bias):
+    """The seqlen-sharded SSD's calls: part records, the forward given them (the sharded lowering
+    itself runs only under a mesh)."""
+    from xla_ssm import _ssd, _ssd_seq
+
+    rng = np.random.default_rng(6)
+    batch, seqlen, heads, headdim, n = 1, 128, 2, 64, 64  # a shape the tensor-core kernels run as it is
+    x = rnd(rng, (batch, seqlen, heads, headdim)).astype(jnp.bfloat16)
+    dt = rnd(rng, (batch, seqlen, heads)).astype(jnp.bfloat16)
+    A, B = -jnp.exp(rnd(rng, (heads,))), rnd(rng, (batch, seqlen, 1, n)).astype(jnp.bfloat16)
+    bias_op = rnd(rng, (heads,)) if bias else None
+    cfg = _ssd._Cfg(64, True, 0.0, float("inf"), 0, False, bias, True, True)
+
+    def both(x, h):
+        end, records = _ssd_seq.part_records(cfg, x, dt, A, B, bias_op)
+        ops = [x, dt, A, B, B] + ([bias_op] if bias else []) + [h]
+        return end, _ssd._ffi_call(_ssd._Call("fwd", cfg, True), ops, records)
+
+    jax.make_jaxpr(both)(x, rnd(rng, (batch, heads, headdim, n)))
+    check(signatures, calls, ["xla_ssm_ssd_part_records", "xla_ssm_ssd_fwd"])
+
+
 @pytest.mark.parametrize("z, h0", list(itertools.product([False, True], repeat=2)))
 def test_ssd_packed(signatures, calls, z, h0):
     rng = np.random.default_rng(4)

@@ -261,6 +261,7 @@ enum Op {
     CarryBwd,
     SsdFwd,
     SsdBwd,
+    SsdRecords,
     StateUpdate,
     ConvFwd,
     ConvBwd,
@@ -278,6 +279,7 @@ impl Op {
             "xla_ssm_selective_scan_carry_bwd" => Op::CarryBwd,
             "xla_ssm_ssd_fwd" => Op::SsdFwd,
             "xla_ssm_ssd_bwd" => Op::SsdBwd,
+            "xla_ssm_ssd_part_records" => Op::SsdRecords,
             "xla_ssm_selective_state_update" => Op::StateUpdate,
             "xla_ssm_causal_conv1d_fwd" => Op::ConvFwd,
             "xla_ssm_causal_conv1d_bwd" => Op::ConvBwd,
@@ -293,7 +295,7 @@ impl Op {
     }
 
     fn is_ssd(self) -> bool {
-        matches!(self, Op::SsdFwd | Op::SsdBwd)
+        matches!(self, Op::SsdFwd | Op::SsdBwd | Op::SsdRecords)
     }
 }
 
@@ -867,6 +869,13 @@ fn shape_expect(s: &Setup, ret: bool, i: usize, dims: &[i64]) -> Expect {
             return either(&[SHAPE]); // another width, and nothing else sized by it
         }
     }
+    if s.op == Op::SsdRecords && !ret && name == "B" && dims.len() == 4 {
+        // B without C: another group count dividing heads is another valid call.
+        let (b, heads) = (&s.operand_entry("B").dims, s.operand_entry("x").dims[2]);
+        if (0..4).all(|k| k == 2 || dims[k] == b[k]) && dims[2] >= 1 && heads % dims[2] == 0 {
+            return either(&[SHAPE]);
+        }
+    }
     let lone_bc = match s.op {
         Op::CarryFwd | Op::CarryBwd => "C",
         Op::ChunkRecords => "B",
@@ -929,7 +938,7 @@ fn scan_seqlen(s: &Setup) -> i64 {
 
 /// What the call makes of attribute `name` missing (or unreadable as a name).
 fn missing_expect(s: &Setup, name: &str) -> Expect {
-    if name == "has_cu_seqlens" || name == "has_chunk_records" {
+    if name == "has_cu_seqlens" || name == "has_chunk_records" || name == "has_part_records" {
         // Optional (false: not packed, no records): that operand is then one too many.
         return invalid(&[&["operands"]]);
     }
@@ -946,7 +955,8 @@ fn missing_expect(s: &Setup, name: &str) -> Expect {
 /// What the call makes of attribute `name` called `new_name` instead: a required one is missing; an
 /// optional one's new name is an attribute the target does not read.
 fn renamed_expect(s: &Setup, name: &str, new_name: &str) -> Expect {
-    if (s.op == Op::ScanFwd && name == "checkpoint_len") || name == "has_cu_seqlens" || name == "has_chunk_records" {
+    let optional_flag = ["has_cu_seqlens", "has_chunk_records", "has_part_records"].contains(&name);
+    if (s.op == Op::ScanFwd && name == "checkpoint_len") || optional_flag {
         return invalid_named(new_name, &[&["unknown attribute"]]);
     }
     missing_expect(s, name)
@@ -1446,7 +1456,7 @@ fn gen_xla(kind: XKind, s: &Setup, rng: &mut Rng) -> Option<XCase> {
         AttrIntValue => {
             let (name, orig) = match s.op {
                 Op::ScanFwd | Op::ScanBwd => ("checkpoint_len", s.attr_i64("checkpoint_len").unwrap_or(0)),
-                Op::SsdFwd | Op::SsdBwd => ("chunk_size", s.attr_i64("chunk_size").unwrap()),
+                Op::SsdFwd | Op::SsdBwd | Op::SsdRecords => ("chunk_size", s.attr_i64("chunk_size").unwrap()),
                 Op::CarryFwd | Op::CarryBwd => ("segment_len", s.attr_i64("segment_len").unwrap()),
                 _ => return None,
             };
@@ -1461,9 +1471,12 @@ fn gen_xla(kind: XKind, s: &Setup, rng: &mut Rng) -> Option<XCase> {
                 checkpoint_len_expect(s, v)
             } else if name == "segment_len" {
                 segment_len_expect(s, orig, v)
-            } else if ![32, 64, 128, 256].contains(&v) {
+            } else if ![32, 64, 128, 256].contains(&v) || (s.op == Op::SsdRecords && v == 32) {
+                // The part records take only the tensor-core kernels' chunks (whole 64-step tiles).
                 invalid_named("chunk_size", &[])
-            } else if s.op == Op::SsdFwd && s.result("chunk_states").is_none() {
+            } else if s.op == Op::SsdFwd && s.operand("part_records").is_some() && v == 32 {
+                invalid_named("part_records", &[]) // a shape with no part records: the operand must be empty
+            } else if matches!(s.op, Op::SsdFwd | Op::SsdRecords) && s.result("chunk_states").is_none() {
                 Expect::Ok
             } else {
                 either(&[&["chunk_states"]])

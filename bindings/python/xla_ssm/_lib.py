@@ -27,6 +27,7 @@ TARGETS = (
     "xla_ssm_mamba_decode_step",
     "xla_ssm_ssd_fwd",
     "xla_ssm_ssd_bwd",
+    "xla_ssm_ssd_part_records",
 )
 
 _lock = threading.Lock()
@@ -97,6 +98,7 @@ def load() -> ctypes.CDLL:
             "xla_ssm_ssd_bwd_workspace_bytes",
             "xla_ssm_ssd_packed_fwd_workspace_bytes",
             "xla_ssm_ssd_packed_bwd_workspace_bytes",
+            "xla_ssm_ssd_part_records_floats",
         ):
             sizer = getattr(lib, fn, None)
             if sizer is None:

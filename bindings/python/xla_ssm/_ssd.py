@@ -120,6 +120,12 @@ def _attrs(call: _Call):
 
 def _raw(call: _Call, *ops):
     """One FFI call on whole (or, under partitioning, per-shard) operands in ABI order."""
+    return _ffi_call(call, ops)
+
+
+def _ffi_call(call: _Call, ops, part_records=None):
+    """_raw; a forward given `part_records` (`_ssd_seq.part_records` of the same inputs) skips the
+    tensor-core split's first pass."""
     cfg = call.cfg
     x, B = ops[0], ops[3]
     batch, seqlen, heads, headdim = x.shape
@@ -145,7 +151,11 @@ def _raw(call: _Call, *ops):
             chunk_dtype = _FLOATS[lib.xla_ssm_ssd_chunk_states_dtype(headdim, dstate, cfg.chunk_size, code)]
             results.append(jax.ShapeDtypeStruct((batch, heads, headdim, n_chunks, dstate), chunk_dtype))
         ws = _lib.size(sizer.format("fwd"), *shape)
-        return _ffi(FWD, results, ws, ops, _attrs(call))
+        attrs = _attrs(call)
+        if part_records is not None:
+            ops = (*ops, part_records)
+            attrs["has_part_records"] = np.bool_(True)
+        return _ffi(FWD, results, ws, ops, attrs)
     results = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in ops[:n]]  # gradients: primal shapes and dtypes
     ws = _lib.size(sizer.format("bwd"), *shape)
     return _ffi(BWD, results, ws, ops, _attrs(call))
@@ -208,7 +218,7 @@ def _factor_sizes(call: _Call):
 
 
 def _seq_lower(call: _Call, plan, mesh):
-    return _ssd_seq.lower(call, plan[3], mesh, _raw) if plan[3] else None
+    return _ssd_seq.lower(call, plan[3], mesh, _ffi_call) if plan[3] else None
 
 
 # Batch, heads (groups) and seqlen (with the chunk axis) pass through; headdim, dstate, and packed

@@ -2,9 +2,11 @@
 the method of _scan_seq with SSD's per-head scalar decay, which makes the summaries and the
 backward's pull matrix products. A state S_in (batch, heads, headdim, dstate) entering the shard
 reaches step t as exp(A_h cs_t) S_in (cs: the shard's cumulative dt'). The forward first forms the
-state the shard leaves from a zero one, sum_t exp(A_h (cs_end - cs_t)) dt'_t x_t B_t^T (a product
-over the shard, cheaper than correcting its outputs afterwards), exchanges it, and then runs the
-library's forward once, from the true S_in. In the backward, the shard's outputs pull on S_in by
+state the shard leaves from a zero one, exchanges it, and then runs the library's forward once,
+from the true S_in. On a GPU, where the tensor-core kernels run the shape as it is, that state
+comes from the forward's own first pass (`xla_ssm_ssd_part_records`), whose records the forward
+is then given, so the shard costs one forward; elsewhere it is sum_t exp(A_h (cs_end - cs_t)) dt'_t
+x_t B_t^T, a product over the shard. In the backward, the shard's outputs pull on S_in by
 sum_t exp(A_h cs_t) gy_t C_t^T.
 """
 
@@ -14,17 +16,54 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from . import _lib
 from ._scan_seq import carry_back, carry_in
 from ._selective_scan import _softplus
 
 _F32 = jnp.float32
+RECORDS = "xla_ssm_ssd_part_records"
+# Where the tensor-core forward runs (jax's platform name for CUDA devices). The tests add "cpu" to
+# run that way on host devices.
+RECORDS_PLATFORMS = ("gpu",)
+
+
+def part_records_floats(cfg, x, B):
+    """f32s of the part records of these operands' shape (0: the target refuses it)."""
+    from ._ssd import _DTYPE_CODE  # (_ssd imports this module)
+
+    batch, seqlen, heads, headdim = x.shape
+    code = _DTYPE_CODE[jnp.dtype(x.dtype)]
+    shape = (batch, seqlen, heads, headdim, B.shape[3], B.shape[2], cfg.chunk_size, code)
+    return _lib.size("xla_ssm_ssd_part_records_floats", *shape)
+
+
+def part_records(cfg, x, dt, A, B, dt_bias=None):
+    """(end states from zero (batch, heads, headdim, dstate) f32, part records) of
+    `xla_ssm_ssd_part_records` (docs/ssd.md, "Part records")."""
+    batch, _, heads, headdim = x.shape
+    results = (
+        jax.ShapeDtypeStruct((batch, heads, headdim, B.shape[3]), _F32),
+        jax.ShapeDtypeStruct((part_records_floats(cfg, x, B),), _F32),
+    )
+    attrs = dict(
+        chunk_size=np.int64(cfg.chunk_size),
+        dt_softplus=np.bool_(cfg.dt_softplus),
+        dt_min=np.float32(cfg.dt_min),
+        dt_max=np.float32(cfg.dt_max),
+        has_dt_bias=np.bool_(dt_bias is not None),
+    )
+    _lib.require(RECORDS)
+    ops = [x, dt, A, B] + ([dt_bias] if dt_bias is not None else [])
+    return jax.ffi.ffi_call(RECORDS, results)(*ops, **attrs)
 
 
 class _Shard:
     """One shard's operands: x, z (b, l, h, p); dt (b, l, h); B, C (b, l, g, n)."""
 
     def __init__(self, cfg, ops):
+        self.cfg = cfg
         it = iter(ops)
         self.x, self.dt, self.A, self.B, self.C = (next(it) for _ in range(5))
         self.D = next(it) if cfg.d_rank else None
@@ -66,6 +105,13 @@ class _Shard:
         s = jnp.einsum("blgep,blgn->bgepn", self.by_group(xw, 2), self.B, preferred_element_type=_F32)
         return s.reshape(s.shape[0], self.heads, *s.shape[3:])
 
+    def part_records(self, platform):
+        """part_records of this shard on devices of `platform`; None where the forward would not
+        run the shape as it is on tensor cores (or not on CUDA)."""
+        if platform not in RECORDS_PLATFORMS or part_records_floats(self.cfg, self.x, self.B) == 0:
+            return None
+        return part_records(self.cfg, self.x, self.dt, self.A, self.B, self.bias)
+
     def pull(self, gy):
         """sum_t exp(A_h cs_t) gy_t C_t^T: the outputs' gradient reaching S_in, (b, h, p, n)."""
         w = self.by_group(gy * self.carried()[..., None], 2)  # (b, l, g, e, p)
@@ -74,14 +120,18 @@ class _Shard:
 
 
 def lower(call, axes, mesh, raw):
-    """The per-shard function of `call` with seqlen sharded over mesh axes `axes`."""
+    """The per-shard function of `call` with seqlen sharded over mesh axes `axes`; `raw(call, ops,
+    part_records=None)` makes one FFI call."""
     shards = math.prod(mesh.shape[a] for a in axes)
     cfg = call.cfg
+    platform = mesh.devices.flat[0].platform
 
     def fwd(*ops):
         s = _Shard(cfg, ops)
-        h_in, h = carry_in(s.decay(), s.end_state(), s.h0, axes, shards)
-        res = raw(call._replace(cfg=cfg._replace(has_initial_states=True)), *s.plain, h_in)
+        made = s.part_records(platform)
+        end, records = made if made is not None else (s.end_state(), None)
+        h_in, h = carry_in(s.decay(), end, s.h0, axes, shards)
+        res = raw(call._replace(cfg=cfg._replace(has_initial_states=True)), [*s.plain, h_in], records)
         return (res[0], h, res[2]) if call.save_chunk_states else (res[0], h)
 
     def bwd(*ops):
@@ -93,7 +143,7 @@ def lower(call, axes, mesh, raw):
         pull = s.pull(dy.astype(_F32) * s.gate())
         g_end, g = carry_back(s.decay(), pull, dfinal, axes, shards)
         local = call._replace(cfg=cfg._replace(has_initial_states=True), has_dfinal_states=True)
-        grads = raw(local, *s.plain, h_in, chunks, dy, g_end)
+        grads = raw(local, [*s.plain, h_in, chunks, dy, g_end])
         return (*grads[:-1], g) if cfg.has_initial_states else tuple(grads[:-1])
 
     return fwd if call.kind == "fwd" else bwd

@@ -29,6 +29,9 @@ use crate::DType;
 use std::ffi::c_void;
 
 pub mod plan;
+pub mod records;
+
+pub use records::{validate_part_records, PartRecordsArgs, SsdRecords};
 
 /// The chunk sizes the op takes (the layout of `chunk_states`; a whole number of the selective
 /// scan's 32-step tiles, at most the CUDA backward's longest checkpoint spacing).
@@ -372,6 +375,20 @@ impl SsdParams {
         self.batch * self.seqlen * self.heads
     }
 
+    /// The call's shape, as the plan sees it (x's elements of `dtype`).
+    pub fn shape(&self, dtype: DType) -> plan::Shape {
+        plan::Shape {
+            batch: self.batch,
+            seqlen: self.seqlen,
+            heads: self.heads,
+            headdim: self.headdim,
+            dstate: self.dstate,
+            groups: self.groups,
+            chunk_size: self.chunk_size,
+            elem_bytes: dtype.size_bytes(),
+        }
+    }
+
     pub fn n_chunks(&self) -> i64 {
         n_chunks(self.seqlen, self.chunk_size)
     }
@@ -461,6 +478,9 @@ pub struct FwdArgs<'a> {
     pub chunk_states: Option<&'a Tensor>,
     /// Scratch (any dtype); the CUDA target needs [`plan::fwd_workspace_bytes`] bytes.
     pub workspace: Option<&'a Tensor>,
+    /// The split's first pass, made beforehand by `ssd_part_records` on the same inputs
+    /// ([`records`]): the tensor-core split reads them instead of making them.
+    pub part_records: Option<&'a Tensor>,
 }
 
 /// The operands and results of one backward call; each optional gradient is present exactly when
@@ -493,6 +513,8 @@ validated! {
         present: Present,
         /// Whether the call writes chunk_states (its pointer may be null when they are empty).
         save_chunk_states: bool,
+        /// Where the split's part records come from, or that they are all the call makes.
+        records: SsdRecords,
     }
 }
 
@@ -530,7 +552,7 @@ impl SsdBwd {
             ..self.params.fwd
         };
         let present = Present { z: false, ..self.present };
-        Ssd { params, dtype: self.dtype, present, save_chunk_states: false }
+        Ssd { params, dtype: self.dtype, present, save_chunk_states: false, records: SsdRecords::Made }
     }
 }
 
@@ -617,12 +639,24 @@ impl Ssd {
     pub fn chunk_states_dtype(&self) -> DType {
         self.params.chunk_states_dtype(self.dtype)
     }
+
+    /// A part-records call as the plain forward whose final states are its end states from zero,
+    /// writing y to `y` (x's shape and dtype).
+    pub fn forward_of_part_records(&self, y: *mut c_void) -> Ssd {
+        Ssd { params: SsdParams { y, ..self.params }, records: SsdRecords::Made, ..*self }
+    }
 }
 
 impl SsdBwd {
     /// The forward's view of this call (its inputs).
     pub fn inputs(&self) -> Ssd {
-        Ssd { params: self.params.fwd, dtype: self.dtype, present: self.present, save_chunk_states: false }
+        Ssd {
+            params: self.params.fwd,
+            dtype: self.dtype,
+            present: self.present,
+            save_chunk_states: false,
+            records: SsdRecords::Made,
+        }
     }
 }
 
@@ -884,6 +918,10 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Ssd> {
         ("workspace", args.workspace),
     ];
     check_buffers(op, &args.inputs.named(), &results)?;
+    let records = match args.part_records {
+        None => SsdRecords::Made,
+        Some(t) => records::check_records_operand(op, t, &k.params, k.dtype, &results)?,
+    };
     let params = SsdParams {
         y: args.y.data,
         final_states: args.final_states.data as *mut f32,
@@ -892,7 +930,8 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Ssd> {
         workspace_bytes: workspace_size(args.workspace),
         ..k.params
     };
-    Ok(Ssd { params, dtype: k.dtype, present: k.present, save_chunk_states: args.chunk_states.is_some() })
+    let save_chunk_states = args.chunk_states.is_some();
+    Ok(Ssd { params, dtype: k.dtype, present: k.present, save_chunk_states, records })
 }
 
 /// Checks a backward call: the inputs, chunk_states, the cotangents and every gradient (shape and
@@ -1013,12 +1052,16 @@ pub fn run_fwd(ssd: &Ssd, platform: Platform) -> Result<()> {
             if let Some(cu) = unsafe { ssd.params.host_cu_seqlens() } {
                 selective_scan::check_cu_seqlens_values("ssd_fwd", cu, ssd.params.seqlen)?;
             }
-            crate::cpu::ssd::fwd(ssd)
+            // Given records are the forward's own first pass: the CPU, which has none, ignores them.
+            match ssd.records {
+                SsdRecords::Only(_) => crate::cpu::ssd::part_records(ssd),
+                SsdRecords::Made | SsdRecords::Given(_) => crate::cpu::ssd::fwd(ssd),
+            }
         }
         #[cfg(feature = "cuda")]
         Platform::Cuda { stream } => crate::cuda::ssd::fwd(ssd, stream),
         #[cfg(not(feature = "cuda"))]
-        Platform::Cuda { .. } => Err(no_cuda("ssd_fwd")),
+        Platform::Cuda { .. } => Err(no_cuda(ssd.records.op())),
     }
 }
 

@@ -416,6 +416,24 @@ impl MmaFwdSplit {
     }
 }
 
+/// The split of a part-records call and of the forward given its records (docs/ssd.md, "Part
+/// records"): the forward's parts, one record each, whatever the workspace and the GPU (the records'
+/// size depends on the shape alone).
+pub fn part_records_split(s: &Shape) -> MmaFwdSplit {
+    MmaFwdSplit { records_per_part: 1, ..mma_fwd_split(s, i64::MAX, Pieces::OneWave) }
+}
+
+/// f32s of the records of a part-records call: a (headdim x dstate) state and a decay per part and
+/// (batch, head). Where the tensor-core kernels run the call as it is (headdim 64, dstate 64 or
+/// 128: no split heads, no widened state); 0 elsewhere, where the call is refused.
+pub fn part_records_floats(s: &Shape) -> i64 {
+    let native = mma_applies(s) && s.headdim == MMA_HEADDIM && mma_dstate(s.dstate) == Some(s.dstate);
+    if !native {
+        return 0;
+    }
+    part_records_split(s).n_parts * s.batch * s.heads * (s.headdim * s.dstate + 1)
+}
+
 /// Bytes of one record of the forward's split: a headdim x dstate state and a decay per (batch, head),
 /// f32.
 pub fn mma_fwd_record_bytes(s: &Shape) -> i64 {
