@@ -15,6 +15,13 @@ step runs at a length one device cannot hold.
 
     python bench/bench_seqlen_sharding.py --device gpu   # every visible GPU (2 or more)
     python bench/bench_seqlen_sharding.py --device cpu   # 8 host devices, small shapes: the harness
+    python bench/bench_seqlen_sharding.py --device gpu --per-device   # one GPU standing in for each of 2
+
+`--per-device` needs one device: it times each device's work in a two-way split, the sharded
+lowering's per-shard function (`_scan_seq.lower`, `_ssd_seq.lower`) at half the length on a mesh
+of one device (its exchange is with itself), the way the package runs it on GPUs (the forward's
+first pass, exchanged, then the rest) and the way it runs elsewhere (the carry; SSD's end-state
+product), against the op at the whole length and at half.
 """
 
 from __future__ import annotations
@@ -245,15 +252,71 @@ def bench_longest(op, one, many, dtype, limit, probe, run):
     return row
 
 
+def bench_per_device(op, seqlen, one, dtype):
+    """Each device's forward in a two-way split, timed on one device (see the module's doc)."""
+    from xla_ssm import _scan, _scan_seq, _ssd, _ssd_seq
+
+    params = op.params(np.random.default_rng(0))
+    fwd, _ = step_fns(op, params)
+    row = dict(op=op.name, shape=op.shape(seqlen), devices=1, per_device=True)
+    row["fwd_one_ms"] = timeit(fwd, inputs(op, seqlen, one, dtype))
+    half = {**inputs(op, seqlen // 2, one, dtype), **params}
+    row["fwd_shard_alone_ms"] = timeit(fwd, half)
+    if op.name == "selective_scan":
+        seq, ffi = _scan_seq, _scan._ffi_call
+        cfg = _scan._Cfg(True, "bdl", 4, True, True, True, False, True)
+        order = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias"]
+        calls = {"": _scan._Call("fwd", cfg, 0), "_checkpoints": _scan._Call("fwd", cfg, xla_ssm.CHECKPOINT_LEN)}
+    else:
+        seq, ffi = _ssd_seq, _ssd._ffi_call
+        cfg = _ssd._Cfg(op.chunk, True, 0.0, float("inf"), 1, True, True, False, True)
+        order = ["x", "dt", "A", "B", "C", "D", "z", "dt_bias"]
+        calls = {"": _ssd._Call("fwd", cfg, False), "_checkpoints": _ssd._Call("fwd", cfg, True)}
+    ops = [jax.device_put(half[k], NamedSharding(one, P())) for k in order]  # replicated: shard_map's in_specs
+    platforms = seq.RECORDS_PLATFORMS
+    for suffix, call in calls.items():
+        for way, records_on in (("records", (one.devices.flat[0].platform,)), ("other", ())):
+            seq.RECORDS_PLATFORMS = records_on
+            n_out = 2 + int(bool(call[2]))
+            per = jax.shard_map(
+                seq.lower(call, ("seq",), one, ffi), mesh=one, in_specs=(P(),) * len(ops), out_specs=(P(),) * n_out,
+                check_vma=False,
+            )
+            row[f"per_device_{way}{suffix}_ms"] = timeit(jax.jit(per), *ops)
+    seq.RECORDS_PLATFORMS = platforms
+    print(
+        f"{op.name} {row['shape']} bf16, each device's forward in a two-way split, on one device: "
+        f"{row['per_device_records_ms']:.2f} ms with the forward's first pass exchanged first "
+        f"({row['per_device_records_ms'] / row['fwd_one_ms']:.3f}x the whole {row['fwd_one_ms']:.2f}; its shard alone "
+        f"{row['fwd_shard_alone_ms']:.2f}), {row['per_device_other_ms']:.2f} the other way; with checkpoints "
+        f"{row['per_device_records_checkpoints_ms']:.2f} / {row['per_device_other_checkpoints_ms']:.2f}",
+        flush=True,
+    )
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     ap.add_argument("--skip-longest", action="store_true", help="only the speed of the main shapes")
     ap.add_argument("--longest-only", action="store_true", help="only the longest sequences (e.g. in a process of their own)")
     ap.add_argument("--limit-gib", type=float, help="memory a device may use (default: its allocator's limit)")
+    ap.add_argument("--per-device", action="store_true", help="one device: each device's work in a two-way split")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
     devices = jax.devices()
+    if args.per_device:
+        one = jax.make_mesh((1,), ("seq",), devices=devices[:1])
+        gpu = args.device == "gpu"
+        ops = [Scan(4096, 16), Ssd(64, 64, 128, 256)] if gpu else [Scan(64, 16), Ssd(4, 64, 64, 64)]
+        seqlen = 131072 if gpu else 8192
+        print(f"{devices[0].device_kind}; jax {jax.__version__}", flush=True)
+        results = [bench_per_device(op, seqlen, one, jnp.bfloat16) for op in ops]
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = dict(devices=[devices[0].device_kind], jax=jax.__version__, time=time.strftime("%Y-%m-%d %H:%M"))
+        (out / f"seqlen_sharding_per_device_{args.device}.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+        return
     if len(devices) < 2:
         sys.exit(f"bench_seqlen_sharding: needs 2 or more devices, found {len(devices)}")
     one = jax.make_mesh((1,), ("seq",), devices=devices[:1])

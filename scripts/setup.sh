@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up the build and test toolchain that is not Rust: a virtual environment at <repo>/.venv
-# with CUDA's compiler from PyPI (pinned) and JAX, numpy, pytest. Idempotent: a second run that
+# with CUDA's compiler from PyPI (pinned) and JAX, numpy, pytest (and pytest-xdist, which runs the
+# tests in two processes). Idempotent: a second run that
 # finds everything installed does not call pip.
 #
 #   PYTHON=python3.11 bash scripts/setup.sh     # which interpreter makes the venv (default: python3.11, else python3)
@@ -19,6 +20,7 @@ REQS=(
   jax
   numpy
   pytest
+  pytest-xdist
 )
 
 want_cuda_jax="${XLA_SSM_JAX_CUDA:-auto}"

@@ -12,6 +12,7 @@ sum_t exp(A_h cs_t) gy_t C_t^T.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -76,12 +77,16 @@ class _Shard:
             dt = dt + self.bias
         dt = _softplus(dt) if cfg.dt_softplus else dt
         self.dt_eff = jnp.clip(dt, cfg.dt_min, cfg.dt_max)  # (b, l, h)
-        self.cs = jnp.cumsum(self.dt_eff, axis=1)
         self.heads, self.groups = self.x.shape[2], self.B.shape[2]
 
     def by_group(self, v, axis):
         """Split `axis` (heads) into (groups, heads per group)."""
         return v.reshape(*v.shape[:axis], self.groups, self.heads // self.groups, *v.shape[axis + 1 :])
+
+    @functools.cached_property
+    def cs(self):
+        """The shard's cumulative dt', (b, l, h): only where a product needs every step's."""
+        return jnp.cumsum(self.dt_eff, axis=1)
 
     def carried(self):
         """exp(A_h cs_t): how the state entering the shard reaches step t, (b, l, h)."""
@@ -89,7 +94,7 @@ class _Shard:
 
     def decay(self):
         """exp(A_h cs_end), broadcast over a state: (b, h, 1, 1)."""
-        return jnp.exp(self.A * self.cs[:, -1])[:, :, None, None]
+        return jnp.exp(self.A * self.dt_eff.sum(axis=1))[:, :, None, None]  # a sum, not a cumsum's last
 
     def gate(self):
         if self.z is None:
