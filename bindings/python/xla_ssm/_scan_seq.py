@@ -13,6 +13,11 @@ of the shard up to step t. So each device
   4. runs the library's forward on its shard from h_in, given the records: the forward's first
      pass is the one of step 1, so a shard costs about one forward of its length, and its outputs
      and checkpoints need no correction.
+Where the forward would not split a shard (the CPU; a shard that already fills the GPU), step 1
+would cost a scan, so the shard is scanned from zero instead, the same summaries (from its end
+state and its dt sums) are exchanged, and C_t . exp(A cs_t) h_in (times silu(z)) is added to its
+outputs (`xla_ssm_selective_scan_carry_fwd`, in place: each channel stops where the carried state
+has decayed below f32's range) and exp(A cs) h_in to its checkpoints.
 The backward mirrors it: each shard's outputs pull on its h_in by r = sum_t gy_t C_t exp(A cs_t)
 (gy: dout through the gate; `xla_ssm_selective_scan_carry_bwd`), the shards' (decay, r) are
 all-gathered, each device forms the gradient arriving at its end state from the shards after it,
