@@ -7,7 +7,8 @@
 use super::elems::{input, optional, Elems};
 use super::math::softplus_std;
 use super::pool;
-use crate::ops::selective_scan::{split_record_floats, Fwd, Records};
+use crate::ops::selective_scan::{split_record_floats, Fwd};
+use crate::ops::Records;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -61,6 +62,7 @@ pub(crate) fn run(fwd: &Fwd) {
             let x0 = b * u(p.x_stride_batch) + d * u(p.x_stride_dim);
             let b0 = b * u(p.bc_stride_batch) + (d / u(p.dim_per_group)) * u(p.bc_stride_group);
             let (xs, bs) = (u(p.x_stride_seq), u(p.bc_stride_seq));
+            let bias = bias.map_or(0.0, |bias| bias[d]);
             h.fill(0.0);
             let mut dt_sum = 0f32;
             let end = ((chunk + 1) * chunk_len).min(seqlen);
@@ -73,7 +75,7 @@ pub(crate) fn run(fwd: &Fwd) {
                     b_in.load(b0 + n * u(p.bc_stride_state) + l0 * bs, bs, &mut bv[n * BLOCK..][..n_steps]);
                 }
                 for k in 0..n_steps {
-                    let mut v = dt[k] + bias.map_or(0.0, |bias| bias[d]);
+                    let mut v = dt[k] + bias;
                     if p.delta_softplus != 0 {
                         v = softplus_std(v);
                     }

@@ -8,7 +8,8 @@ use super::elems::{typed, ElemVec, Elems, ElemsOut, Io};
 use super::math::softplus_std;
 use super::{selective_scan, selective_scan_bwd};
 use crate::error::Result;
-use crate::ops::ssd::{plan, scan_bwd, scan_fwd, Scratch, Ssd, SsdBwd, SsdParams, SsdRecords};
+use crate::ops::ssd::{plan, scan_bwd, scan_fwd, Scratch, Ssd, SsdBwd, SsdParams};
+use crate::ops::Records;
 use crate::DType;
 use std::ffi::c_void;
 
@@ -142,7 +143,7 @@ pub(crate) fn fwd(ssd: &Ssd) -> Result<()> {
 /// forward's final states (its outputs, into scratch, are dropped), and the records zeros (a CPU
 /// forward given them ignores them).
 pub(crate) fn part_records(ssd: &Ssd) -> Result<()> {
-    let SsdRecords::Only(records) = ssd.records() else { unreachable!("a part-records call") };
+    let Records::Only(records) = ssd.records() else { unreachable!("a part-records call") };
     let p = ssd.params();
     let floats = plan::part_records_floats(&p.shape(ssd.dtype()));
     let mut y = ElemVec::zeros(ssd.dtype(), (p.rows() * p.headdim).max(0) as usize);

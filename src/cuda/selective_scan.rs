@@ -20,8 +20,9 @@
 use crate::error::Result;
 use crate::ops::selective_scan::{
     split_plan, split_record_floats, tiled_channels, tiled_thread_states, tiled_threads_per_channel, workspace_bytes,
-    Fwd, FwdParams, Records, FWD_SPLIT_TARGET_BLOCKS, TILED_MAX_DSTATE,
+    Fwd, FwdParams, FWD_SPLIT_TARGET_BLOCKS, TILED_MAX_DSTATE,
 };
+use crate::ops::Records;
 use once_cell::sync::Lazy;
 use std::ffi::c_void;
 
@@ -107,22 +108,6 @@ fn tiled_bc_form(fwd: &Fwd, tpc: i64) -> &'static str {
     }
 }
 
-/// The chunk records by the tiled kernel's first pass, for every chunk of the split (the forward
-/// itself leaves out the last, which nothing after it reads).
-fn chunk_records_tiled(fwd: &Fwd, records: *mut f32, stream: *mut c_void) -> Result<()> {
-    let p = FwdParams { workspace: records, ..fwd.params() };
-    let tpc = tiled_threads_per_channel(p.dstate);
-    let tiles = (p.dim + tiled_channels(tpc) - 1) / tiled_channels(tpc);
-    let kernel = kernels::scan_fwd_tiled(true, false, (fwd.dtype(), fwd.bc_dtype()), tpc, tiled_bc_form(fwd, tpc));
-    let config = LaunchConfig {
-        grid: (tiles as u64, p.batch as u64, p.n_chunks as u64),
-        block: (tiled_channels(tpc) * tpc) as u32,
-        shared_bytes: tiled_shared_bytes(fwd.dtype().size_bytes(), tpc),
-    };
-    // SAFETY: the parameters of a validated records call, whose result holds n_chunks records.
-    unsafe { launch(stream, kernels::scan_fwd_module(false), &kernel, config, &p) }
-}
-
 /// The chunk records where the tiled pass does not apply: a thread per record float.
 fn chunk_records_any(fwd: &Fwd, records: *mut f32, stream: *mut c_void) -> Result<()> {
     let p = FwdParams { workspace: records, ..fwd.params() };
@@ -143,11 +128,7 @@ pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
     let packed = !p.cu_seqlens.is_null();
     // The tiled kernel is 6-36x faster than the lanes kernel at the benchmark shapes on the H100
     // (`tests/cuda/fwd_check.cu time`), small ones included; lanes covers what tiled does not.
-    let tiled = tiled_supported(fwd) && !forced("lanes");
-    if let Records::Only(records) = fwd.records() {
-        return if tiled { chunk_records_tiled(fwd, records, stream) } else { chunk_records_any(fwd, records, stream) };
-    }
-    if tiled {
+    if tiled_supported(fwd) && !forced("lanes") {
         let (chunk_len, n_chunks) = split_plan(p.batch, p.dim, p.seqlen);
         let needed = workspace_bytes(p.batch, p.dim, p.seqlen, p.dstate);
         // The records are f32: a host's misaligned scratch is not used rather than faulted on.
@@ -177,6 +158,11 @@ pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
             // SAFETY: the parameters of a validated call (see `launch`).
             unsafe { launch(stream, kernels::scan_fwd_module(packed), &kernel, config, params) }
         };
+        if let Records::Only(records) = fwd.records() {
+            // The first pass alone, over every chunk of the split (the forward's leaves out the
+            // last, which nothing after it reads); validation set the records call's split.
+            return launch_pass(true, tpc, p.n_chunks, &FwdParams { workspace: records, ..*p });
+        }
         let final_tpc = if one_thread { 1 } else { tpc };
         if split {
             if let Some(records) = given {
@@ -191,6 +177,9 @@ pub fn fwd(fwd: &Fwd, stream: *mut c_void) -> Result<()> {
         }
         launch_pass(false, final_tpc, 1, p)
     } else {
+        if let Records::Only(records) = fwd.records() {
+            return chunk_records_any(fwd, records, stream);
+        }
         let ns = lanes_per_channel(p.dstate);
         let kernel = kernels::scan_fwd_lanes(packed, types, ns);
         let blocks = ((p.batch * p.dim * ns) as u64).div_ceil(LANES_BLOCK as u64);

@@ -20,8 +20,9 @@ use crate::error::{Error, Result};
 use crate::ops::ssd::plan::{self, Layout};
 use crate::ops::ssd::{
     scan_bwd, scan_fwd, GlueParams, PadRows, PaddedState, Scratch, SplitHeadsParams, Ssd, SsdBwd, SsdBwdParams,
-    SsdParams, SsdRecords,
+    SsdParams,
 };
+use crate::ops::Records;
 use crate::ops::{selective_scan, Platform};
 use crate::DType;
 use std::ffi::c_void;
@@ -43,15 +44,15 @@ pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
         return Err(Error::invalid(format!(
             "{}: the CUDA target takes x, B and C 16-byte aligned, z and y 4-byte aligned, the states \
              8-byte aligned (XLA's buffers always are)",
-            ssd.records().op()
+            ssd.op()
         )));
     }
     // Part records exist only where the kernels run the call as it is (validation): no widened
     // state, no split heads, no scratch.
     match ssd.records() {
-        SsdRecords::Only(records) => return ssd_mma::part_records(ssd, &shape, records, stream),
-        SsdRecords::Given(records) => return ssd_mma::fwd_given(ssd, &shape, records, stream),
-        SsdRecords::Made => {}
+        Records::Only(records) => return ssd_mma::part_records(ssd, &shape, records, stream),
+        Records::Given(records) => return ssd_mma::fwd_given(ssd, &shape, records, stream),
+        Records::Made => {}
     }
     let (ws, sizer) = if p.packed() {
         (plan::MmaWorkspace::packed(&shape, p.num_seqs), "xla_ssm_ssd_packed_fwd_workspace_bytes")

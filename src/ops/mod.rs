@@ -23,6 +23,18 @@ pub mod selective_scan;
 pub mod signature;
 pub mod ssd;
 
+/// Where a forward call's first-pass records come from (the scan's chunk records, SSD's part
+/// records: the split's first pass, which a seqlen-sharded forward runs before its exchange).
+#[derive(Debug, Clone, Copy)]
+pub enum Records {
+    /// The forward's own first pass makes them (in its workspace).
+    Made,
+    /// Made beforehand by the records call on the same inputs (an operand): the split reads them.
+    Given(*const f32),
+    /// A records call: the records (and, for SSD, the end states) are all it writes.
+    Only(*mut f32),
+}
+
 /// Where an operation runs.
 #[derive(Debug, Clone, Copy)]
 pub enum Platform {

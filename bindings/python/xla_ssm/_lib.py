@@ -134,6 +134,16 @@ def load() -> ctypes.CDLL:
         return lib
 
 
+# The C API's dtype codes (XLA_SSM_F32, XLA_SSM_BF16, XLA_SSM_F16), as the sizers and
+# xla_ssm_ssd_chunk_states_dtype take and return them.
+_DTYPE_CODES = {jax.numpy.dtype(t): code for code, t in enumerate(("float32", "bfloat16", "float16"))}
+
+
+def dtype_code(dtype) -> int:
+    """The C API's code of a float dtype (XlaSsmDtype: f32 0, bf16 1, f16 2)."""
+    return _DTYPE_CODES[jax.numpy.dtype(dtype)]
+
+
 def size(sizer: str, *sizes: int) -> int:
     """A size from the library's `sizer` (e.g. "xla_ssm_ssd_fwd_workspace_bytes": bytes of device
     workspace); a shape the library refuses raises ValueError with its reason."""

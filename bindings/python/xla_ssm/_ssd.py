@@ -36,10 +36,6 @@ CHUNK_SIZES = (32, 64, 128, 256)
 MAX_DSTATE = 256
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _F32 = jnp.dtype(jnp.float32)
-# C API dtype codes (XLA_SSM_F32, XLA_SSM_BF16, XLA_SSM_F16), for the workspace sizes and the
-# dtype of chunk_states.
-_DTYPE_CODE = {_FLOATS[0]: 0, _FLOATS[1]: 1, _FLOATS[2]: 2}
-
 
 class _Cfg(NamedTuple):
     """Everything static about one call (hashable: a jit / custom_vjp key)."""
@@ -131,7 +127,7 @@ def _ffi_call(call: _Call, ops, part_records=None):
     batch, seqlen, heads, headdim = x.shape
     groups, dstate = B.shape[2], B.shape[3]
     lib = _lib.require(FWD if call.kind == "fwd" else BWD)
-    code = _DTYPE_CODE[jnp.dtype(x.dtype)]
+    code = _lib.dtype_code(x.dtype)
     n = len(_grad_roles(cfg))
     if cfg.packed:  # batch 1, a state row per sequence; packed calls have workspace sizes of their own
         rows = ops[n].shape[0] - 1  # num_seqs

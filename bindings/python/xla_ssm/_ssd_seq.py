@@ -32,11 +32,8 @@ RECORDS_PLATFORMS = ("gpu",)
 
 def part_records_floats(cfg, x, B):
     """f32s of the part records of these operands' shape (0: the target refuses it)."""
-    from ._ssd import _DTYPE_CODE  # (_ssd imports this module)
-
     batch, seqlen, heads, headdim = x.shape
-    code = _DTYPE_CODE[jnp.dtype(x.dtype)]
-    shape = (batch, seqlen, heads, headdim, B.shape[3], B.shape[2], cfg.chunk_size, code)
+    shape = (batch, seqlen, heads, headdim, B.shape[3], B.shape[2], cfg.chunk_size, _lib.dtype_code(x.dtype))
     return _lib.size("xla_ssm_ssd_part_records_floats", *shape)
 
 

@@ -8,7 +8,7 @@
 //! gradients ([`BwdParams`] embeds the forward's parameters); [`run_bwd`] runs it.
 
 use super::buffers::{check_buffers, Named};
-use super::{check_elements, expect, expect_dtype, expect_nonnull, Platform, Tensor};
+use super::{check_elements, expect, expect_dtype, expect_nonnull, Platform, Records, Tensor};
 use crate::error::{Error, Result};
 use crate::DType;
 use std::ffi::c_void;
@@ -16,7 +16,7 @@ use std::ffi::c_void;
 pub mod carry;
 pub mod records;
 
-pub use records::{chunk_records_count, validate_chunk_records, ChunkRecordsArgs, Records};
+pub use records::{chunk_records_count, validate_chunk_records, ChunkRecordsArgs};
 
 /// Largest supported state size (the CUDA kernel spreads it over at most 32 lanes of 8 states).
 pub const MAX_DSTATE: i64 = 256;
@@ -682,7 +682,7 @@ pub fn run_fwd(fwd: &Fwd, platform: Platform) -> Result<()> {
         #[cfg(feature = "cuda")]
         Platform::Cuda { stream } => crate::cuda::selective_scan::fwd(fwd, stream),
         #[cfg(not(feature = "cuda"))]
-        Platform::Cuda { .. } => Err(no_cuda(fwd.records.op())),
+        Platform::Cuda { .. } => Err(no_cuda(fwd.op())),
     }
 }
 

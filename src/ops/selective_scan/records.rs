@@ -17,26 +17,15 @@
 use super::{split_plan, split_record_floats, validate_inputs, Fwd, FwdParams, Inputs, Layout, SCAN_NAMES};
 use crate::error::{Error, Result};
 use crate::ops::buffers::{check_buffers, Named};
-use crate::ops::{expect, expect_nonnull, Tensor};
+use crate::ops::{expect, expect_nonnull, Records, Tensor};
 use crate::DType;
-
-/// Where a forward call's split records come from.
-#[derive(Debug, Clone, Copy)]
-pub enum Records {
-    /// The forward's own first pass makes them (in its workspace).
-    Made,
-    /// Made beforehand (the `chunk_records` operand): the split reads them.
-    Given(*const f32),
-    /// A `selective_scan_chunk_records` call: the records are all it writes.
-    Only(*mut f32),
-}
 
 const OP: &str = "selective_scan_chunk_records";
 
-impl Records {
-    /// The name of the call, for messages.
-    pub fn op(self) -> &'static str {
-        match self {
+impl Fwd {
+    /// The name of the call, for messages: a forward or a records call.
+    pub fn op(&self) -> &'static str {
+        match self.records {
             Records::Only(_) => OP,
             Records::Made | Records::Given(_) => "selective_scan_fwd",
         }

@@ -23,7 +23,7 @@
 
 use super::buffers::{check_buffers, Named};
 use super::selective_scan;
-use super::{check_elements, expect, expect_dtype, expect_nonnull, fmt_dims, Platform, Tensor};
+use super::{check_elements, expect, expect_dtype, expect_nonnull, fmt_dims, Platform, Records, Tensor};
 use crate::error::{Error, Result};
 use crate::DType;
 use std::ffi::c_void;
@@ -31,7 +31,7 @@ use std::ffi::c_void;
 pub mod plan;
 pub mod records;
 
-pub use records::{validate_part_records, PartRecordsArgs, SsdRecords};
+pub use records::{validate_part_records, PartRecordsArgs};
 
 /// The chunk sizes the op takes (the layout of `chunk_states`; a whole number of the selective
 /// scan's 32-step tiles, at most the CUDA backward's longest checkpoint spacing).
@@ -514,7 +514,7 @@ validated! {
         /// Whether the call writes chunk_states (its pointer may be null when they are empty).
         save_chunk_states: bool,
         /// Where the split's part records come from, or that they are all the call makes.
-        records: SsdRecords,
+        records: Records,
     }
 }
 
@@ -552,7 +552,7 @@ impl SsdBwd {
             ..self.params.fwd
         };
         let present = Present { z: false, ..self.present };
-        Ssd { params, dtype: self.dtype, present, save_chunk_states: false, records: SsdRecords::Made }
+        Ssd { params, dtype: self.dtype, present, save_chunk_states: false, records: Records::Made }
     }
 }
 
@@ -643,7 +643,7 @@ impl Ssd {
     /// A part-records call as the plain forward whose final states are its end states from zero,
     /// writing y to `y` (x's shape and dtype).
     pub fn forward_of_part_records(&self, y: *mut c_void) -> Ssd {
-        Ssd { params: SsdParams { y, ..self.params }, records: SsdRecords::Made, ..*self }
+        Ssd { params: SsdParams { y, ..self.params }, records: Records::Made, ..*self }
     }
 }
 
@@ -655,7 +655,7 @@ impl SsdBwd {
             dtype: self.dtype,
             present: self.present,
             save_chunk_states: false,
-            records: SsdRecords::Made,
+            records: Records::Made,
         }
     }
 }
@@ -919,7 +919,7 @@ pub fn validate_fwd(args: &FwdArgs) -> Result<Ssd> {
     ];
     check_buffers(op, &args.inputs.named(), &results)?;
     let records = match args.part_records {
-        None => SsdRecords::Made,
+        None => Records::Made,
         Some(t) => records::check_records_operand(op, t, &k.params, k.dtype, &results)?,
     };
     let params = SsdParams {
@@ -1054,14 +1054,14 @@ pub fn run_fwd(ssd: &Ssd, platform: Platform) -> Result<()> {
             }
             // Given records are the forward's own first pass: the CPU, which has none, ignores them.
             match ssd.records {
-                SsdRecords::Only(_) => crate::cpu::ssd::part_records(ssd),
-                SsdRecords::Made | SsdRecords::Given(_) => crate::cpu::ssd::fwd(ssd),
+                Records::Only(_) => crate::cpu::ssd::part_records(ssd),
+                Records::Made | Records::Given(_) => crate::cpu::ssd::fwd(ssd),
             }
         }
         #[cfg(feature = "cuda")]
         Platform::Cuda { stream } => crate::cuda::ssd::fwd(ssd, stream),
         #[cfg(not(feature = "cuda"))]
-        Platform::Cuda { .. } => Err(no_cuda(ssd.records.op())),
+        Platform::Cuda { .. } => Err(no_cuda(ssd.op())),
     }
 }
 

@@ -12,28 +12,17 @@
 use super::{plan, validate_inputs, Inputs, Ssd, SsdParams};
 use crate::error::{Error, Result};
 use crate::ops::buffers::{check_buffers, Named};
-use crate::ops::{expect, expect_nonnull, Tensor};
+use crate::ops::{expect, expect_nonnull, Records, Tensor};
 use crate::DType;
 
 const OP: &str = "ssd_part_records";
 
-/// Where a forward call's split records come from.
-#[derive(Debug, Clone, Copy)]
-pub enum SsdRecords {
-    /// The forward's own first pass makes them (in its workspace).
-    Made,
-    /// Made beforehand (the `part_records` operand): the split reads them.
-    Given(*const f32),
-    /// A part-records call: it writes them and the end states from zero, nothing else.
-    Only(*mut f32),
-}
-
-impl SsdRecords {
-    /// The name of the call, for messages.
-    pub fn op(self) -> &'static str {
-        match self {
-            SsdRecords::Only(_) => OP,
-            SsdRecords::Made | SsdRecords::Given(_) => "ssd_fwd",
+impl Ssd {
+    /// The name of the call, for messages: a forward or a part-records call.
+    pub fn op(&self) -> &'static str {
+        match self.records {
+            Records::Only(_) => OP,
+            Records::Made | Records::Given(_) => "ssd_fwd",
         }
     }
 }
@@ -46,7 +35,7 @@ pub(super) fn check_records_operand(
     p: &SsdParams,
     dtype: DType,
     results: &[Named],
-) -> Result<SsdRecords> {
+) -> Result<Records> {
     let what = format!("{op}: operand `part_records`");
     if p.packed() {
         return Err(Error::invalid(format!("{what}: not taken with packed sequences (`cu_seqlens`)")));
@@ -55,7 +44,7 @@ pub(super) fn check_records_operand(
     expect(t, &what, &[floats], "[xla_ssm_ssd_part_records_floats(...)]", &[DType::F32])?;
     expect_nonnull(t, &format!("{op}: `part_records`"))?;
     check_buffers(op, &[("part_records", Some(t))], results)?;
-    Ok(if floats > 0 { SsdRecords::Given(t.data as *const f32) } else { SsdRecords::Made })
+    Ok(if floats > 0 { Records::Given(t.data as *const f32) } else { Records::Made })
 }
 
 /// The operands and results of one part-records call, as the host describes them.
@@ -129,6 +118,6 @@ pub fn validate_part_records(args: &PartRecordsArgs) -> Result<Ssd> {
         dtype: k.dtype,
         present: k.present,
         save_chunk_states: false,
-        records: SsdRecords::Only(args.records.data as *mut f32),
+        records: Records::Only(args.records.data as *mut f32),
     })
 }
