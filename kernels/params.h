@@ -327,6 +327,9 @@ typedef struct FwdSplit {
 typedef struct SsdMmaParams {
   struct SsdParams p;
   struct FwdSplit split;
+  // Non-zero: `ssd_fwd_tile_scalars` parked the scalars of every full 64-step tile in y's rows,
+  // where the wgmma kernel reads them (unpacked calls; the other kernels form their own).
+  int32_t scalars_in_y;
 } SsdMmaParams;
 
 // A launch of the tensor-core backward (kernels/ssd_bwd.cu): the call's parameters and its views of

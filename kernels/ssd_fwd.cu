@@ -23,7 +23,7 @@ namespace ssd_mma {
 // wgmma at dstate 128 on sm_90a; at dstate 64 the mma.sync kernel is the faster one there (f16
 // 8x2048x64x64x64: 248 us against 266).
 template <typename T, int N, bool LOCAL, bool GATED, bool PACKED>
-__device__ __forceinline__ void ssd_fwd(const SsdParams& p, const FwdSplit& split) {
+__device__ __forceinline__ void ssd_fwd(const SsdParams& p, const FwdSplit& split, bool scalars_in_y) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if constexpr (N == 128) {
         if constexpr (LOCAL) {
@@ -34,7 +34,7 @@ __device__ __forceinline__ void ssd_fwd(const SsdParams& p, const FwdSplit& spli
             local_sum_wgmma<T, N, true, PACKED>(p, blk.b, blk.h, blk.g, p.x, p.B, blk.tile_begin, blk.tile_end,
                                                 rec.states + at * kP * N, rec.decays + at);
         } else {
-            ssd_fwd_wgmma<T, N, GATED, PACKED>(p, split);
+            ssd_fwd_wgmma<T, N, GATED, PACKED>(p, split, scalars_in_y);
         }
         return;
     }
@@ -50,7 +50,7 @@ __device__ __forceinline__ void ssd_fwd(const SsdParams& p, const FwdSplit& spli
 #define SSD_FWD_MMA_KERNEL(T, N, NAME, LOCAL, GATED, PACKED)                                          \
     extern "C" __global__ void __launch_bounds__(ssd_mma::kThreads, 2) NAME(const SsdMmaParams a) {   \
         pdl_launch_dependents(); /* the backward's chunk_scalars reads none of this kernel's output */ \
-        ssd_mma::ssd_fwd<T, N, LOCAL, GATED, PACKED>(a.p, a.split);                                   \
+        ssd_mma::ssd_fwd<T, N, LOCAL, GATED, PACKED>(a.p, a.split, a.scalars_in_y != 0);              \
     }
 #define SSD_FWD_MMA(T, N)                                                                             \
     SSD_FWD_MMA_KERNEL(T, N, ssd_fwd_mma_##T##_n##N, false, false, false)                             \
@@ -80,4 +80,48 @@ extern "C" __global__ void __launch_bounds__(256) ssd_fold_part_records(const Ss
         for (int64_t r = 0; r < n; ++r) acc = fmaf(exp2f(decays[r * bh + row]), acc, states[r * bh * state + i]);
         p.final_states[i] = acc;
     }
+}
+
+// The wgmma forward's tile scalars, formed ahead of it (src/cuda/ssd_mma.rs, `park_tile_scalars`):
+// for each full 64-step tile of each (batch, head), a warp forms the tile's TileScalars as the kernel
+// would (tile_scalars) and parks its 1024 bytes in y's first 8 rows of that tile, whole 128-byte rows
+// (16 bytes at the start of each of the 64 rows made the L2 fetch every line of y: 49 us at
+// 8 x 2048 x 64 x 64, against 12). The kernel copies them in with the tile's x, B and C, and
+// overwrites the rows with y later. A block of 4 warps per (batch, tile, 4 heads), a warp a head,
+// grid-stride; the block first copies the 4 heads' dt of the tile to shared memory. y is 16-byte
+// aligned (the launcher's `aligned`).
+static_assert(sizeof(ssd_mma::TileScalars) == 8 * ssd_mma::kP * 2, "a tile's scalars fill 8 rows of y");
+template <typename T> __device__ __forceinline__ void ssd_fwd_tile_scalars(const SsdParams& p) {
+    using namespace ssd_mma;
+    constexpr int kHeads = 4;
+    __shared__ T dt[kHeads][kQ];
+    __shared__ TileScalars sc[4];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t full = p.seqlen / kQ, groups = (p.heads + kHeads - 1) / kHeads, n = p.batch * full * groups;
+    for (int64_t u = blockIdx.x; u < n; u += gridDim.x) {
+        const int64_t b = u / (full * groups), t0 = (u / groups % full) * kQ, h0 = u % groups * kHeads;
+        const int heads = p.heads - h0 < kHeads ? int(p.heads - h0) : kHeads;
+        const T* src = static_cast<const T*>(p.dt) + (b * p.seqlen + t0) * p.heads + h0;
+        for (int e = threadIdx.x; e < kQ * heads; e += blockDim.x)
+            dt[e % heads][e / heads] = src[e / heads * p.heads + e % heads];
+        __syncthreads();
+        for (int j = warp; j < heads; j += 4) {
+            const int64_t h = h0 + j;
+            const T raw[2] = {dt[j][2 * lane], dt[j][2 * lane + 1]};
+            tile_scalars(sc[warp], p, ssd_dt_bias(p, h), p.A[h] * kLog2e, t0, raw);
+            __syncwarp();
+            const uint4* from = reinterpret_cast<const uint4*>(&sc[warp]);
+            for (int c = lane; c < kQ; c += 32)  // 16-byte chunk c: row c / 8, bytes 16 (c % 8)
+                *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + ((b * p.seqlen + t0 + c / 8) * p.heads + h) * kP +
+                                          c % 8 * 8) = from[c];
+            __syncwarp();
+        }
+        __syncthreads();
+    }
+}
+extern "C" __global__ void __launch_bounds__(128) ssd_fwd_tile_scalars_bf16(const SsdMmaParams a) {
+    ssd_fwd_tile_scalars<bf16>(a.p);
+}
+extern "C" __global__ void __launch_bounds__(128) ssd_fwd_tile_scalars_f16(const SsdMmaParams a) {
+    ssd_fwd_tile_scalars<f16>(a.p);
 }

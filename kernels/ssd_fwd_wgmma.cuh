@@ -9,6 +9,8 @@
 // memory, G x and the state update with G / (w o x)^T in registers. The inputs stream through
 // 128-byte-swizzled shared tiles by cp.async, one tile ahead; S goes to shared memory rounded to T
 // once per tile (C S^T's operand). S and G enter the products rounded to T, as they take T operands.
+// Unpacked, a tile's scalars (cum, dt, w, 2^cum) arrive with its inputs: a kernel ahead of this one
+// (ssd_fwd_tile_scalars) parks them in y's rows of the tile, which the tile's y overwrites later.
 #pragma once
 #include "ssd_fwd_common.cuh"
 #include "ssd_fwd_sync.cuh"  // SyncSmem: the launcher's shared-memory size
@@ -75,8 +77,10 @@ template <typename T, int N> struct StateUpdate {
     }
 };
 
+// `scalars_in_y`: ssd_fwd_tile_scalars (kernels/ssd_fwd.cu) parked the scalars of every full tile in
+// y's rows (unpacked only).
 template <typename T, int N, bool GATED, bool PACKED>
-__device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit& split) {
+__device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit& split, bool scalars_in_y) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     WgSmem<T, N>& sm = *reinterpret_cast<WgSmem<T, N>*>(wgmma::align_1024(smem_raw));
     using O = Ops<T>;
@@ -97,8 +101,25 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit
     load_dskip(dskip, p, h);
 
     const TileLoads<T, N> loads(p, blk);
+    // Scalars formed here are formed by every warp (a warp-0-only branch would serialize an in-flight
+    // wgmma), each storing a quarter.
+    const bool sc_store = (lane >> 3) == warp;
+    // Unpacked, a tile's scalars come with its x, B and C: from y's first 8 rows of the tile, where
+    // ssd_fwd_tile_scalars parked them, 16 bytes a thread (forming them here was ~13% of the kernel's
+    // time at 8 x 2048 x 64 x 64 x 128), else (a last tile shorter than 64 steps) formed here.
+    const T* sc_src = static_cast<const T*>(p.y) + ((b * p.seqlen + tid / 8) * p.heads + h) * kP + tid % 8 * 8;
     auto load_tile = [&](int buf, int64_t t0, int rows) {
         loads.template issue<true>(t0, rows, sm.x[buf], sm.b[buf], sm.c[buf], tile_byte, tile_byte);
+        if constexpr (!PACKED) {
+            if (scalars_in_y && rows == kQ) {
+                if (tid < kQ)
+                    cp_async16(reinterpret_cast<unsigned char*>(&sm.sc[buf]) + 16 * tid, sc_src + t0 * p.heads * kP, true);
+            } else {
+                T raw[2];
+                load_dt<T>(p, b, h, t0, raw);
+                tile_scalars(sm.sc[buf], p, dt_bias, a_log2, t0, raw, sc_store);
+            }
+        }
     };
     T* y_dst = static_cast<T*>(p.y) + loads.x_off;
 
@@ -106,15 +127,15 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit
     PartWindows<PACKED> win(p, tile_begin, tile_end);
     if (win.more()) load_tile(win.buf(), win.start(), win.rows());
     cp_async_commit();
-    // A window's scalars are computed one window ahead, while the one before runs its products: by
-    // every warp (a warp-0-only branch would serialize the in-flight wgmma), each storing a quarter.
+    // PACKED: a window's scalars are formed one window ahead, while the one before runs its products.
     T dt_raw[2];
-    const bool sc_store = (lane >> 3) == warp;
-    load_dt<T>(p, b, h, win.start(), dt_raw);
-    tile_scalars(sm.sc[win.buf()], p, dt_bias, a_log2, win.start(), dt_raw, sc_store, win.stop());
-    load_dt<T>(p, b, h, win.next_start(), dt_raw);
+    if constexpr (PACKED) {
+        load_dt<T>(p, b, h, win.start(), dt_raw);
+        tile_scalars(sm.sc[win.buf()], p, dt_bias, a_log2, win.start(), dt_raw, sc_store, win.stop());
+        load_dt<T>(p, b, h, win.next_start(), dt_raw);
+    }
     auto next_scalars = [&](int buf) {
-        if (win.has_next()) {
+        if (PACKED && win.has_next()) {
             tile_scalars(sm.sc[buf ^ 1], p, dt_bias, a_log2, win.next_start(), dt_raw, sc_store, win.next_stop());
             load_dt<T>(p, b, h, win.later_start(), dt_raw);
         }
@@ -213,6 +234,17 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit
             }
         }
 
+        // The epilogue's x pairs, read while G x runs (read after the wait, they held every warp there:
+        // 13 us of the kernel's 202 at 8 x 2048 x 64 x 64 x 128 on an H200).
+        T2 x_pre[2][kP / 8];
+        {
+            const unsigned char* xt = reinterpret_cast<const unsigned char*>(sm.x[buf]);
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int j = 0; j < kP / 8; ++j)
+                    x_pre[half][j] = *reinterpret_cast<const T2*>(xt + tile_byte(t_lo + 8 * half, 2 * (lane % 4) + 8 * j));
+        }
         wgmma::wait<0>();  // G x and the state update done
         wgmma::pin(y);
 #pragma unroll
@@ -232,7 +264,7 @@ __device__ __forceinline__ void ssd_fwd_wgmma(const SsdParams& p, const FwdSplit
 #pragma unroll
             for (int j = 0; j < kP / 8; ++j) {
                 T2* at = reinterpret_cast<T2*>(xy + tile_byte(row, col0 + 8 * j));
-                const float2 xv = O::unpack2(*at);
+                const float2 xv = O::unpack2(x_pre[half][j]);
                 float v0 = y[j][2 * half] + dskip[j][0] * xv.x;
                 float v1 = y[j][2 * half + 1] + dskip[j][1] * xv.y;
                 // (PACKED: every row, without a branch; z_pre is 0 past the window, whose rows are

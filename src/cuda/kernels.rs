@@ -160,6 +160,10 @@ pub fn ssd_bwd_per_type(kernel: &str, dtype: DType) -> String {
 pub const SSD_BWD_REDUCE_PARAMS: &str = "ssd_bwd_reduce_params";
 /// `ssd_part_records`' fold of its records into the end states.
 pub const SSD_FOLD_PART_RECORDS: &str = "ssd_fold_part_records";
+/// The wgmma forward's tile scalars, formed ahead of it into y's rows, per dtype.
+pub fn ssd_fwd_tile_scalars(dtype: DType) -> String {
+    format!("ssd_fwd_tile_scalars_{}", dtype.name())
+}
 
 /// Every (module, kernel) a launcher can ask for.
 pub fn all() -> Vec<(&'static str, String)> {
@@ -226,6 +230,7 @@ pub fn all() -> Vec<(&'static str, String)> {
     names.push((SSD_BWD, SSD_BWD_REDUCE_PARAMS.to_string()));
     names.push((SSD_FWD, SSD_FOLD_PART_RECORDS.to_string()));
     for dtype in SSD_MMA_TYPES {
+        names.push((SSD_FWD, ssd_fwd_tile_scalars(dtype)));
         names.push((SSD_GLUE, ssd_glue("widen_chunk_states", dtype)));
         names.push((SSD_GLUE, ssd_glue("split_heads_expand", dtype)));
         names.push((SSD_GLUE, ssd_glue("split_heads_fold", dtype)));

@@ -42,7 +42,7 @@ pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
     }
     if !ssd_mma::aligned(p) {
         return Err(Error::invalid(format!(
-            "{}: the CUDA target takes x, B and C 16-byte aligned, z and y 4-byte aligned, the states \
+            "{}: the CUDA target takes x, B, C and y 16-byte aligned, z 4-byte aligned, the states \
              8-byte aligned (XLA's buffers always are)",
             ssd.op()
         )));
@@ -90,7 +90,7 @@ pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
     }
     if !ssd_mma::bwd_aligned(&q) {
         return Err(Error::invalid(
-            "ssd_bwd: the CUDA target takes x, B, C and dy 16-byte aligned, z, y, dx and dz 4-byte aligned, the \
+            "ssd_bwd: the CUDA target takes x, B, C, dy and dx 16-byte aligned, z and dz 4-byte aligned, the \
              states 8-byte aligned (XLA's buffers always are)",
         ));
     }

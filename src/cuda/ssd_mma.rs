@@ -11,6 +11,7 @@ use super::{compute_capability, copy_async, launch, launch_ex, LaunchConfig, Sta
 use crate::error::Result;
 use crate::ops::ssd::plan::{self, Shape, MMA_TILE};
 use crate::ops::ssd::{BwdMmaParams, FwdMmaParams, Ssd, SsdBwd, SsdBwdParams, SsdParams};
+use crate::DType;
 use std::ffi::c_void;
 
 /// `ssd_mma::kThreads`.
@@ -55,15 +56,16 @@ fn whole_kib(bytes: i64) -> i64 {
     (bytes.max(0) as u64).div_ceil(1024) as i64 * 1024
 }
 
-/// Whether the pointers suit the kernels: x, B, C (and dy) as 16-byte vectors (cp.async), states as
-/// float2, the rest as element pairs.
+/// Whether the pointers suit the kernels: x, B, C (and dy) as 16-byte vectors (cp.async), y (and dx)
+/// too (their tiles leave in 16-byte stores, and y holds the parked tile scalars), states as float2,
+/// the rest as element pairs.
 pub(super) fn aligned(p: &SsdParams) -> bool {
     let at = |ptr: *const c_void, bytes: usize| (ptr as usize).is_multiple_of(bytes);
     at(p.x, 16)
         && at(p.b, 16)
         && at(p.c, 16)
         && at(p.z, 4)
-        && at(p.y, 4)
+        && at(p.y, 16)
         && at(p.initial_states as *const c_void, 8)
         && at(p.final_states as *const c_void, 8)
         && at(p.chunk_states as *const c_void, 8)
@@ -73,7 +75,7 @@ pub(super) fn bwd_aligned(q: &SsdBwdParams) -> bool {
     let at = |ptr: *const c_void, bytes: usize| (ptr as usize).is_multiple_of(bytes);
     aligned(&q.fwd)
         && at(q.dy, 16)
-        && at(q.dx, 4)
+        && at(q.dx, 16)
         && at(q.dz, 4)
         && at(q.dfinal_states as *const c_void, 8)
         && at(q.dinitial_states as *const c_void, 8)
@@ -103,8 +105,9 @@ pub(super) fn fwd(
         return Ok(());
     }
     let max_records = if workspace.is_null() { 0 } else { workspace_bytes / plan::mma_fwd_record_bytes(shape) };
-    let split = plan::mma_fwd_split(shape, max_records, plan::Pieces::forward(shape, compute_capability(stream)?));
-    let args = FwdMmaParams { p: SsdParams { workspace: workspace as *mut c_void, ..*p }, split };
+    let cc = compute_capability(stream)?;
+    let split = plan::mma_fwd_split(shape, max_records, plan::Pieces::forward(shape, cc));
+    let mut args = FwdMmaParams { p: SsdParams { workspace: workspace as *mut c_void, ..*p }, split, scalars_in_y: 0 };
     let (dtype, dstate, packed) = (ssd.dtype(), p.dstate, p.packed());
     let smem = fwd_shared_bytes(p.dstate);
     if split.n_parts > 1 {
@@ -114,10 +117,29 @@ pub(super) fn fwd(
             launch(stream, FWD_MODULE, &kernel, blocks(p, split.records(), smem), &args)
         }?;
     }
+    args.scalars_in_y = park_tile_scalars(&args, dtype, cc, stream)?;
     // With z, a kernel of its own (kernels/ssd_fwd.cu: the gate's code slowed the ungated one).
     let main = kernels::ssd_fwd_mma(false, !p.z.is_null(), packed, dtype, dstate);
     // SAFETY: the parameters of a validated call (see `launch`).
     unsafe { launch(stream, FWD_MODULE, &main, blocks(p, split.n_parts, smem), &args) }
+}
+
+/// Where the main kernel is the wgmma one (an sm_90 GPU, dstate 128, unpacked: kernels/ssd_fwd.cu),
+/// forms its tile scalars ahead of it into y's rows (`ssd_fwd_tile_scalars`: a warp per (batch,
+/// head, full 64-step tile), a block per 4 heads) and returns 1 for `scalars_in_y`; else 0, and the
+/// kernel forms them itself. (Where the library was built without sm_90a code, the mma.sync kernel
+/// runs instead and overwrites the rows unread.)
+fn park_tile_scalars(args: &FwdMmaParams, dtype: DType, cc: (i32, i32), stream: *mut c_void) -> Result<i32> {
+    let p = &args.p;
+    let units = p.batch * (p.seqlen / MMA_TILE) * ((p.heads + 3) / 4);
+    if cc != (9, 0) || p.dstate != 128 || p.packed() || units == 0 {
+        return Ok(0);
+    }
+    let config = LaunchConfig { grid: ((units as u64).min(REDUCE_MAX_BLOCKS), 1, 1), block: THREADS, shared_bytes: 0 };
+    // SAFETY: the parameters of a validated call (y 16-byte aligned: `aligned`); the kernel writes
+    // the first 8 rows of y's whole tiles, which the main kernel overwrites.
+    unsafe { launch(stream, FWD_MODULE, &kernels::ssd_fwd_tile_scalars(dtype), config, args) }?;
+    Ok(1)
 }
 
 /// `ssd_part_records` (docs/ssd.md, "Part records"), for a shape the kernels run as it is. Its
@@ -133,7 +155,8 @@ pub(super) fn part_records(ssd: &Ssd, shape: &Shape, records: *mut f32, stream: 
     }
     let split = plan::part_records_split(shape);
     let all_parts = plan::MmaFwdSplit { n_parts: split.n_parts + 1, ..split };
-    let args = FwdMmaParams { p: SsdParams { workspace: records as *mut c_void, ..*p }, split: all_parts };
+    let args =
+        FwdMmaParams { p: SsdParams { workspace: records as *mut c_void, ..*p }, split: all_parts, scalars_in_y: 0 };
     let local = kernels::ssd_fwd_mma(true, false, false, ssd.dtype(), p.dstate);
     // SAFETY: the parameters of a validated records call, whose result holds n_parts records and
     // decays.
@@ -163,7 +186,8 @@ pub(super) fn fwd_given(ssd: &Ssd, shape: &Shape, records: *const f32, stream: *
         return Ok(());
     }
     let split = plan::part_records_split(shape);
-    let args = FwdMmaParams { p: SsdParams { workspace: records as *mut c_void, ..*p }, split };
+    let mut args = FwdMmaParams { p: SsdParams { workspace: records as *mut c_void, ..*p }, split, scalars_in_y: 0 };
+    args.scalars_in_y = park_tile_scalars(&args, ssd.dtype(), compute_capability(stream)?, stream)?;
     let main = kernels::ssd_fwd_mma(false, !p.z.is_null(), false, ssd.dtype(), p.dstate);
     // SAFETY: the parameters of a validated call; the records (validated size) are only read.
     unsafe { launch(stream, FWD_MODULE, &main, blocks(p, split.n_parts, fwd_shared_bytes(p.dstate)), &args) }

@@ -170,6 +170,9 @@ if [ "$mode" != time ]; then
     # more pieces a part than the launcher's rule gives here
     SSD_FWD_RECORDS=3 run $v check 2 1000 2 1 128 bf16 64 1 1 1 1 1 0 4
     SSD_FWD_RECORDS=4 run $v check 1 1100 3 1 64 f16 64 1 0 1 1 1 0 3
+    # every tile's scalars formed by the wgmma kernel itself (where the launcher parks none in y)
+    SSD_FORM_SCALARS=1 run $v check 2 1087 8 2 128 bf16 64 1 1 1 1 1 0 0
+    SSD_FORM_SCALARS=1 run $v check 2 1000 2 1 128 bf16 64 1 1 1 1 1 0 4
     # the inference forward (no chunk states) over several chunks, split and not
     SSD_NO_CHUNK_STATES=1 run $v check 2 1000 2 1 128 bf16 64 1 1 1 1 1 0 4
     SSD_NO_CHUNK_STATES=1 run $v check 1 1087 16 4 64 f16 128 2 0 1 1 0 1 0

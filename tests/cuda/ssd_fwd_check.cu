@@ -71,7 +71,15 @@ template <typename T, int N> struct Kern {
         auto local_k = SSD_PICK(ssd_fwd_mma_local);
         CK(cudaFuncSetAttribute(main_k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         CK(cudaFuncSetAttribute(local_k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        const SsdMmaParams a = {p, {tpp, parts, rpp}};
+        SsdMmaParams a = {p, {tpp, parts, rpp}, 0};
+        // The launcher's scalars parked in y's rows ahead of the wgmma kernel (src/cuda/ssd_mma.rs,
+        // `park_tile_scalars`); SSD_FORM_SCALARS=1: the kernel forms them all itself.
+        const int64_t units = p.batch * (p.seqlen / 64) * ((p.heads + 3) / 4);
+        if (N == 128 && SSD_WGMMA && units > 0 && !getenv("SSD_FORM_SCALARS")) {
+            auto park = std::is_same<T, bf16>::value ? ssd_fwd_tile_scalars_bf16 : ssd_fwd_tile_scalars_f16;
+            park<<<unsigned(std::min<int64_t>(units, 4096)), 128, 0, st>>>(a);
+            a.scalars_in_y = 1;
+        }
         if (parts > 1)
             local_k<<<dim3(unsigned(p.batch * p.heads), unsigned((parts - 1) * rpp)), ssd_mma::kThreads, smem, st>>>(a);
         main_k<<<dim3(unsigned(p.batch * p.heads), unsigned(parts)), ssd_mma::kThreads, smem, st>>>(a);

@@ -110,7 +110,7 @@ fn rust_layouts() -> Vec<Layout> {
         }
         PadRows => "SsdPadRows" { src, dst, rows, from, to }
         MmaFwdSplit => "FwdSplit" { tiles_per_part, n_parts, records_per_part }
-        FwdMmaParams => "SsdMmaParams" { p, split }
+        FwdMmaParams => "SsdMmaParams" { p, split, scalars_in_y }
         BwdMmaParams => "SsdBwdMmaParams" {
             q, gated, scratch, da_part, dbias_part, dd_part, records, chunks_per_part, n_parts,
             records_per_part, s_chunk, ds_chunk, scal, msum, msum_split, db_part, dc_part,

@@ -160,6 +160,9 @@ pub struct GlueParams {
 pub struct FwdMmaParams {
     pub p: SsdParams,
     pub split: plan::MmaFwdSplit,
+    /// Non-zero: `ssd_fwd_tile_scalars` parked the scalars of every full 64-step tile in y's rows,
+    /// where the wgmma kernel reads them (unpacked calls; the other kernels form their own).
+    pub scalars_in_y: i32,
 }
 
 /// CUDA's `float2`, which the kernels read as one 8-byte load (not in kernels/params.h: CUDA has it).
