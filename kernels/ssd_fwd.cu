@@ -93,30 +93,29 @@ extern "C" __global__ void __launch_bounds__(256) ssd_fold_part_records(const Ss
 static_assert(sizeof(ssd_mma::TileScalars) == 8 * ssd_mma::kP * 2, "a tile's scalars fill 8 rows of y");
 template <typename T> __device__ __forceinline__ void ssd_fwd_tile_scalars(const SsdParams& p) {
     using namespace ssd_mma;
-    constexpr int kHeads = 4;
-    __shared__ T dt[kHeads][kQ];
-    __shared__ TileScalars sc[4];
+    constexpr int kWarps = 4;  // and heads a block
+    __shared__ T dt[kWarps][kQ];
+    __shared__ TileScalars sc[kWarps];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t full = p.seqlen / kQ, groups = (p.heads + kHeads - 1) / kHeads, n = p.batch * full * groups;
+    const int64_t full = p.seqlen / kQ, groups = (p.heads + kWarps - 1) / kWarps, n = p.batch * full * groups;
     for (int64_t u = blockIdx.x; u < n; u += gridDim.x) {
-        const int64_t b = u / (full * groups), t0 = (u / groups % full) * kQ, h0 = u % groups * kHeads;
-        const int heads = p.heads - h0 < kHeads ? int(p.heads - h0) : kHeads;
+        const int64_t b = u / (full * groups), t0 = (u / groups % full) * kQ, h0 = u % groups * kWarps;
+        const int heads = p.heads - h0 < kWarps ? int(p.heads - h0) : kWarps;
         const T* src = static_cast<const T*>(p.dt) + (b * p.seqlen + t0) * p.heads + h0;
         for (int e = threadIdx.x; e < kQ * heads; e += blockDim.x)
             dt[e % heads][e / heads] = src[e / heads * p.heads + e % heads];
         __syncthreads();
-        for (int j = warp; j < heads; j += 4) {
-            const int64_t h = h0 + j;
-            const T raw[2] = {dt[j][2 * lane], dt[j][2 * lane + 1]};
+        if (warp < heads) {
+            const int64_t h = h0 + warp;
+            const T raw[2] = {dt[warp][2 * lane], dt[warp][2 * lane + 1]};
             tile_scalars(sc[warp], p, ssd_dt_bias(p, h), p.A[h] * kLog2e, t0, raw);
             __syncwarp();
             const uint4* from = reinterpret_cast<const uint4*>(&sc[warp]);
             for (int c = lane; c < kQ; c += 32)  // 16-byte chunk c: row c / 8, bytes 16 (c % 8)
                 *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + ((b * p.seqlen + t0 + c / 8) * p.heads + h) * kP +
                                           c % 8 * 8) = from[c];
-            __syncwarp();
         }
-        __syncthreads();
+        __syncthreads();  // dt and sc are refilled for the next unit
     }
 }
 extern "C" __global__ void __launch_bounds__(128) ssd_fwd_tile_scalars_bf16(const SsdMmaParams a) {
