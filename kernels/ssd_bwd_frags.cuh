@@ -79,18 +79,19 @@ __device__ __forceinline__ float2 row_dots(const float (&acc)[COLS / 8][4], cons
     return make_float2(quad_sum(lo), quad_sum(hi));
 }
 
-// acc += (rows o (lo, hi)) state over k = p, for the warp's rows 16 warp..: rows a (kQ x kP) tile
-// at shared address `rows` whose two rows per thread are scaled by lo, hi; state a (kP x N) tile.
+// acc += (rows o (lo, hi)) state over k = p, for the rows 16 block..: rows a (kQ x kP) tile at shared
+// address `rows` whose two rows per thread are scaled by lo, hi; state a (kP x N) tile.
 template <typename T, int N>
-__device__ __forceinline__ void rows_times_state(float (&acc)[N / 8][4], uint32_t rows, float lo, float hi, uint32_t state) {
+__device__ __forceinline__ void rows_times_state(float (&acc)[N / 8][4], uint32_t rows, float lo, float hi, uint32_t state,
+                                                 int block) {
     constexpr int PX = pitch<kP>(), PN = pitch<N>(), E = sizeof(T);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     const int a_rows = lane & 15, a_cols = (lane >> 4) * 8;
     const int bt_rows = (lane & 7) + ((lane >> 3) & 1) * 8, bt_cols = (lane >> 4) * 8;
 #pragma unroll
     for (int kk = 0; kk < kP / 16; ++kk) {
         uint32_t af[4];
-        ldsm_x4(af, rows + ((16 * warp + a_rows) * PX + 16 * kk + a_cols) * E);
+        ldsm_x4(af, rows + ((16 * block + a_rows) * PX + 16 * kk + a_cols) * E);
         scale_a_rows<T>(af, lo, hi);
 #pragma unroll
         for (int q = 0; q < N / 16; ++q) {

@@ -12,7 +12,8 @@
 //   dC[t] = sum_s L dt_s (dy_t.x_s) B_s + 2^cum_t dy_t S        (likewise)
 //   dS   <- 2^cum_last dS + sum_t 2^cum_t dy_t^T C_t
 // and ddt / dA from the gradient of cum (see tile_dt_grads). Warp w computes the step-major products
-// for rows s = 16w.. (columns t >= s) and t = 16w.. (columns s <= t). dB and dC go one of two ways
+// for rows s = 16w.. (columns t >= s) and, with the partials, t = 16w.. (columns s <= t); without
+// them, the rows t of the y term go mostly to the warps with fewer rows s (rows_t). dB and dC go one of two ways
 // (src/ops/ssd/plan.rs `mma_bwd_head_sums` picks per shape): per head into partials as large as B
 // and C times the group's heads, which reduce_bc sums (PARTIALS: few heads per group); or not formed
 // here at all: the main kernel stores each chunk's S and dS and the head-sum kernels
@@ -288,7 +289,7 @@ __device__ __forceinline__ void rows_s(const BwdBlock<T, N, LOCAL, PARTIALS>& k,
     store_dx(k, dx, t0, pg);
     if constexpr (PARTIALS) {
         float db[N / 8][4] = {};
-        rows_times_state<T, N>(db, k.xs, w.x, w.y, k.dss);
+        rows_times_state<T, N>(db, k.xs, w.x, w.y, k.dss, k.warp);
         add_upper_times_tile<T, N, pitch<N>()>(db, a2, k.cs, k.warp, k.bt_rows, k.bt_cols);
         k.store_partial(db, k.a.db_part, t0);
     }
@@ -337,20 +338,39 @@ __device__ __forceinline__ void add_dc_partial(const BwdBlock<T, N, LOCAL, PARTI
     k.store_partial(dc, k.a.dc_part, t0);
 }
 
-// Rows t = 16 warp..: y0_t = 2^cum_t C_t . (dy_t S) into shared memory, the y term of the gradient of
-// cum_t (and PARTIALS: this head's dC).
+// y0_t = 2^cum_t C_t . (dy_t S) for the rows t = 16 block.. into shared memory (the y term of the
+// gradient of cum_t), leaving 2^cum_t dy_t S at this thread's rows of them in dc.
+template <typename T, int N, bool LOCAL, bool PARTIALS>
+__device__ __forceinline__ void y0_rows(const BwdBlock<T, N, LOCAL, PARTIALS>& k, float (&dc)[N / 8][4], int block) {
+    constexpr int PN = pitch<N>();
+    const int lo = 16 * block + k.lane / 4, hi = lo + 8;
+    rows_times_state<T, N>(dc, k.dys, k.sm.sc.ecum[lo], k.sm.sc.ecum[hi], k.ss, block);
+    const float2 cdot = row_dots<T, N, PN>(dc, k.sm.c, lo, hi);
+    if (k.lane % 4 == 0) {
+        k.sm.y0[lo] = cdot.x;
+        k.sm.y0[hi] = cdot.y;
+    }
+}
+
+// The y0 rows, and PARTIALS: this head's dC, whose rows t = 16 warp.. start from 2^cum_t dy_t S. Without
+// partials, y0's four 16-row blocks go to the warps with the least of rows_s' t >= s triangle (warp w
+// has 4 - w of its blocks): warp 0 none, warps 1 and 2 one, warp 3 two (before, warp 0 did the most
+// work of every tile and the others waited for it at the barrier after update_ds).
 template <typename T, int N, bool LOCAL, bool PARTIALS>
 __device__ __forceinline__ void rows_t(const BwdBlock<T, N, LOCAL, PARTIALS>& k, const RowScalars& r, int64_t t0) {
-    constexpr int PN = pitch<N>();
-    const float e_lo = k.sm.sc.ecum[k.r_lo], e_hi = k.sm.sc.ecum[k.r_hi];
-    float dc[N / 8][4] = {};  // first 2^cum_t dy_t S
-    rows_times_state<T, N>(dc, k.dys, e_lo, e_hi, k.ss);
-    const float2 cdot = row_dots<T, N, PN>(dc, k.sm.c, k.r_lo, k.r_hi);
-    if (k.lane % 4 == 0) {
-        k.sm.y0[k.r_lo] = cdot.x;
-        k.sm.y0[k.r_hi] = cdot.y;
+    if constexpr (PARTIALS) {
+        float dc[N / 8][4] = {};
+        y0_rows(k, dc, k.warp);
+        add_dc_partial(k, r, dc, t0);
+    } else {
+        static_assert(kWarps == 4, "the y0 blocks' assignment");
+        const int first = k.warp == 3 ? 2 : k.warp - 1, last = k.warp == 3 ? 4 : k.warp;
+#pragma unroll 1
+        for (int block = max(first, 0); block < last; ++block) {
+            float dc[N / 8][4] = {};
+            y0_rows(k, dc, block);
+        }
     }
-    if constexpr (PARTIALS) add_dc_partial(k, r, dc, t0);
 }
 
 // Warp 0: the gradient of cum, then ddt and dA. Lane l owns steps 2l and 2l + 1.
