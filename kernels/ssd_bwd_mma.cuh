@@ -11,17 +11,17 @@
 //   dB[s] = dt_s sum_t L (dy_t.x_s) C_t + w_s x_s^T dS         (per head, summed over the group)
 //   dC[t] = sum_s L dt_s (dy_t.x_s) B_s + 2^cum_t dy_t S        (likewise)
 //   dS   <- 2^cum_last dS + sum_t 2^cum_t dy_t^T C_t
-// and ddt / dA from the gradient of cum (see tile_dt_grads). Warp w computes the step-major products
-// for rows s = 16w.. (columns t >= s) and, with the partials, t = 16w.. (columns s <= t); without
-// them, the rows t of the y term go mostly to the warps with fewer rows s (rows_t). dB and dC go one of two ways
-// (src/ops/ssd/plan.rs `mma_bwd_head_sums` picks per shape): per head into partials as large as B
-// and C times the group's heads, which reduce_bc sums (PARTIALS: few heads per group); or not formed
-// here at all: the main kernel stores each chunk's S and dS and the head-sum kernels
-// (ssd_bwd_sums.cuh) form dB and dC summed over the group's heads, a chunk at a time (that path's dx,
-// S and dS leave through shared memory, copied out by warps 1-3 while warp 0 forms ddt). dA, ddt_bias
-// and dD go to per-(batch, head) partials; the reduce kernels sum in a fixed order (no atomics:
-// bitwise-repeatable). Every phase is __forceinline__: the kernel stays one function, its arrays in
-// registers.
+// and ddt / dA from the gradient of cum (see tile_dt_grads). Warp w computes the step-major
+// products for rows s = 16w.. (columns t >= s) and, with the partials, t = 16w.. (columns s <= t);
+// without them, the y term's rows t go mostly to the warps with less of the t >= s triangle
+// (rows_t). dB and dC go one of two ways (src/ops/ssd/plan.rs `mma_bwd_head_sums` picks per shape):
+// per head into partials as large as B and C times the group's heads, which reduce_bc sums
+// (PARTIALS: few heads per group); or not formed here at all: the main kernel stores each chunk's S
+// and dS and the head-sum kernels (ssd_bwd_sums.cuh) form dB and dC summed over the group's heads,
+// a chunk at a time (that path's dx, S and dS leave through shared memory, copied out by warps 1-3
+// while warp 0 forms ddt). dA, ddt_bias and dD go to per-(batch, head) partials; the reduce kernels
+// sum in a fixed order (no atomics: bitwise-repeatable). Every phase is __forceinline__: the kernel
+// stays one function, its arrays in registers.
 #pragma once
 #include "ssd_bwd_block.cuh"
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
