@@ -10,7 +10,7 @@ reference's gradients fit in memory, gradients) are checked against the referenc
 exit status is 1 when one disagrees). GPU: bf16, batch 2 x seqlen 1000 x 8 heads x headdim 64 x
 dstate 128, and the issue's shapes 8 x 2048 x 64 x 64 x 128 and 1 x 16384 x 64 x 64 x 128; --sweep
 adds variants of 8 x 2048 (f32; headdim 32 and 128 at the same 4096 channels, the latter also at
-1 x 16384; dstate 16 and 256; chunks of 64 and 128; z); --case NAME picks cases by name. CPU: f32
+1 x 16384; dstate 16, and 256 also at 1 x 16384; chunks of 64 and 128; z); --case NAME picks cases by name. CPU: f32
 and bf16 at 1 x 512 x 4 x 32 x 16. --quick: the first case.
 
 --triton DIR: DIR holds the `mamba_ssm` package's source (e.g. the PyPI sdist unpacked); its
@@ -84,6 +84,7 @@ SWEEP = [
     Case((1, 16384, 32, 128, 128)),
     Case((8, 2048, 64, 64, 16)),
     Case((8, 2048, 64, 64, 256)),
+    Case((1, 16384, 64, 64, 256)),
     Case(MAIN, chunk_size=64),
     Case(MAIN, chunk_size=128),
     Case(MAIN, z=True),

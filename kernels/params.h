@@ -313,6 +313,20 @@ typedef struct SsdPadRows {
   int64_t to;
 } SsdPadRows;
 
+// A strided copy (kernels/ssd_glue.cu, `gather`): element (i0, i1, i2, i3) of the dense `dst` of
+// `dims` is the element of `src` at sum(i_k * strides[k]), plus, where `second` is not 0, the one
+// `second` elements past it (the sum of two halves, in f32, rounded once). Where `zero_from` is not
+// 0, elements with i1 >= zero_from are zero instead. Moves arrays to and from a call's
+// [`plan::StateHalves`]; generated into kernels/params.h as `SsdGather`.
+typedef struct SsdGather {
+  const void *src;
+  void *dst;
+  int64_t dims[4];
+  int64_t strides[4];
+  int64_t second;
+  int64_t zero_from;
+} SsdGather;
+
 // The tensor-core forward's sequence split; generated into kernels/params.h as `FwdSplit`. The main
 // kernel scans `n_parts` parts of `tiles_per_part` tiles; its first pass scans every part but the last
 // in `records_per_part` pieces, each recording its end state from zero and its decay.

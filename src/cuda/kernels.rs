@@ -122,8 +122,8 @@ pub const SSD_GLUE_EXPAND_PARAMS: &str = "ssd_glue_expand_params";
 pub const SSD_GLUE_REDUCE_HEADS: &str = "ssd_glue_reduce_heads";
 pub const SSD_GLUE_PAD_ROWS_2: &str = "ssd_glue_pad_rows_2";
 pub const SSD_GLUE_PAD_ROWS_4: &str = "ssd_glue_pad_rows_4";
-/// SSD's glue kernels per dtype: `expand_delta` and `reduce_ddt` (any dtype), `widen_chunk_states`,
-/// `split_heads_expand` and `split_heads_fold` (bf16 and f16).
+/// SSD's glue kernels per dtype: `expand_delta`, `reduce_ddt` and `gather` (any dtype),
+/// `widen_chunk_states`, `split_heads_expand` and `split_heads_fold` (bf16 and f16).
 pub fn ssd_glue(kernel: &str, dtype: DType) -> String {
     format!("ssd_glue_{kernel}_{}", dtype.name())
 }
@@ -210,6 +210,7 @@ pub fn all() -> Vec<(&'static str, String)> {
         names.push((SCAN_BWD, scan_bwd_reduce(false, dtype)));
         names.push((SSD_GLUE, ssd_glue("expand_delta", dtype)));
         names.push((SSD_GLUE, ssd_glue("reduce_ddt", dtype)));
+        names.push((SSD_GLUE, ssd_glue("gather", dtype)));
         // (x, B/C, state[, conv weight]): each but x f32 or x's dtype.
         let other = if dtype == F32 { vec![F32] } else { vec![dtype, F32] };
         for &w in &other {

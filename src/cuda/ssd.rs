@@ -1,9 +1,10 @@
 //! The CUDA target. [`fwd`] and [`bwd`] pick a path: the tensor-core kernels ([`super::ssd_mma`])
-//! where they apply (bf16/f16, headdim a multiple of 64, dstate 1 to 128, chunks of whole 64-step
-//! tiles; a head wider than 64 runs as heads of 64 and a state narrower than the kernels' 64 or 128
-//! is widened, `plan::mma_shape`), else the generic one: expand the per-head operands to channels
-//! (kernels/ssd_glue.cu), run the selective scan's CUDA kernels, and (backward) sum its per-channel
-//! gradients back to heads. Scratch comes from the workspace result ([`crate::ops::ssd::plan`]).
+//! where they apply (bf16/f16, headdim a multiple of 64, dstate 1 to 256, chunks of whole 64-step
+//! tiles; a head wider than 64 runs as heads of 64, a state narrower than the kernels' 64 or 128
+//! is widened, and one wider than 128 runs as two halves of 128, `plan::mma_shape`), else the
+//! generic one: expand the per-head operands to channels (kernels/ssd_glue.cu), run the selective
+//! scan's CUDA kernels, and (backward) sum its per-channel gradients back to heads. Scratch comes
+//! from the workspace result ([`crate::ops::ssd::plan`]).
 //!
 //! Packed sequences (`cu_seqlens`): the tensor-core forward cuts its tiles at the boundaries and
 //! resets the state between them (kernels/ssd_fwd_common.cuh, `Windows`); its states have a row per
@@ -19,8 +20,8 @@ use super::{launch, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::ops::ssd::plan::{self, Layout};
 use crate::ops::ssd::{
-    scan_bwd, scan_fwd, GlueParams, PadRows, PaddedState, Scratch, SplitHeadsParams, Ssd, SsdBwd, SsdBwdParams,
-    SsdParams,
+    scan_bwd, scan_fwd, Gather, GlueParams, HalvedState, PadRows, PaddedState, Scratch, SplitHeadsParams, Ssd, SsdBwd,
+    SsdBwdParams, SsdParams,
 };
 use crate::ops::Records;
 use crate::ops::{selective_scan, Platform};
@@ -67,12 +68,21 @@ pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
         widen(&call.params(), pad, dtype, false, stream)?;
         run = run.pad_state(pad);
     }
+    let whole = run.as_bwd();
+    let halved = (ws.halves.halves > 1).then(|| HalvedState::carve(&whole, &ws.halves, at(ws.halves_at)));
+    if let Some(halved) = &halved {
+        halve(&whole.params(), halved, dtype, false, stream)?;
+        run = run.halve_state(halved);
+    }
     if ws.split.ways > 1 {
         let split = SplitHeadsParams::carve(&run.as_bwd(), &ws.split, at(ws.split_at), false);
         split_heads("expand", &split, dtype, stream)?;
         run = run.split_heads(&split);
     }
     ssd_mma::fwd(&run, &plan::mma_shape(&shape), at(ws.kernels_at), ws.kernels_bytes, stream)?;
+    if let Some(halved) = &halved {
+        join_halves(&whole.params(), halved, dtype, false, stream)?;
+    }
     match &pad {
         Some(pad) => narrow(&call.params(), pad, dtype, false, stream),
         None => Ok(()),
@@ -104,6 +114,12 @@ pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
         widen(&bwd.params(), pad, dtype, true, stream)?;
         run = run.pad_state(pad);
     }
+    let whole = run;
+    let halved = (ws.halves.halves > 1).then(|| HalvedState::carve(&whole, &ws.halves, at(ws.halves_at)));
+    if let Some(halved) = &halved {
+        halve(&whole.params(), halved, dtype, true, stream)?;
+        run = run.halve_state(halved);
+    }
     let split = (ws.split.ways > 1).then(|| SplitHeadsParams::carve(&run, &ws.split, at(ws.split_at), true));
     if let Some(split) = &split {
         split_heads("expand", split, dtype, stream)?;
@@ -112,6 +128,9 @@ pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
     ssd_mma::bwd(&run, &plan::mma_shape(&shape), at(ws.kernels_at), stream)?;
     if let Some(split) = &split {
         split_heads("fold", split, dtype, stream)?;
+    }
+    if let Some(halved) = &halved {
+        join_halves(&whole.params(), halved, dtype, true, stream)?;
     }
     match &pad {
         Some(pad) => narrow(&bwd.params(), pad, dtype, true, stream),
@@ -176,6 +195,113 @@ fn copy_rows(
     // SAFETY: `src` holds rows x from and `dst` rows x to elements of `elem_bytes`: the call's
     // validated arrays and the workspace's (plan::PadState), which `workspace_at` checked holds them.
     unsafe { launch(stream, MODULE, kernel, grid_stride(rows * to), &PadRows { src, dst, rows, from, to }) }
+}
+
+/// The sizes the halves' moves index by (plan::StateHalves): rows of (batch, seqlen, group), E heads a
+/// group, headdim, state rows, chunks, and the half's dstate.
+struct HalfSizes {
+    step_rows: i64,
+    groups: i64,
+    e: i64,
+    p: i64,
+    state_rows: i64,
+    batch: i64,
+    n_chunks: i64,
+    n: i64,
+}
+
+impl HalfSizes {
+    fn of(p: &SsdParams) -> HalfSizes {
+        HalfSizes {
+            step_rows: p.batch * p.seqlen * p.groups,
+            groups: p.groups,
+            e: p.heads / p.groups,
+            p: p.headdim,
+            state_rows: p.state_rows(),
+            batch: p.batch,
+            n_chunks: p.n_chunks(),
+            n: p.dstate / 2,
+        }
+    }
+}
+
+/// The halved call's inputs from the whole call's `q` (kernels/ssd_glue.cu, `gather`): x, z, dt (and
+/// dy) and the per-head operands repeated per half (D zero in the second), and the states' halves
+/// moved to the heads (plan::StateHalves has the layouts).
+fn halve(q: &SsdBwdParams, h: &HalvedState, dtype: DType, backward: bool, stream: *mut c_void) -> Result<()> {
+    let p = &q.fwd;
+    let sz = HalfSizes::of(p);
+    let (ep, d_inner) = (sz.e * sz.p, if p.d_per_channel != 0 { sz.e * sz.p } else { sz.e });
+    let repeat = |rows: i64, inner: i64| ([rows, 2, 1, inner], [inner, 0, 0, 1]);
+    for (src, dst) in [(p.x, h.x), (p.z, h.z)] {
+        gather(src, dst, repeat(sz.step_rows, ep), 0, 0, dtype, stream)?;
+    }
+    gather(p.dt, h.dt, repeat(sz.step_rows, sz.e), 0, 0, dtype, stream)?;
+    gather(p.a.cast(), h.a.cast(), repeat(sz.groups, sz.e), 0, 0, DType::F32, stream)?;
+    gather(p.dt_bias.cast(), h.dt_bias.cast(), repeat(sz.groups, sz.e), 0, 0, DType::F32, stream)?;
+    gather(p.d.cast(), h.d.cast(), repeat(sz.groups, d_inner), 0, 1, DType::F32, stream)?;
+    // A state's (o, inner, half, m) to (o, half, inner, m).
+    let split = |rows: i64, inner: i64| ([rows, 2, inner, sz.n], [inner * 2 * sz.n, sz.n, 2 * sz.n, 1]);
+    let states = split(sz.state_rows * sz.groups, ep);
+    gather(p.initial_states.cast(), h.initial_states.cast(), states, 0, 0, DType::F32, stream)?;
+    if backward {
+        gather(q.dy, h.dy, repeat(sz.step_rows, ep), 0, 0, dtype, stream)?;
+        gather(q.dfinal_states.cast(), h.dfinal_states.cast(), states, 0, 0, DType::F32, stream)?;
+        let chunks = split(sz.batch * sz.groups, ep * sz.n_chunks);
+        gather(p.chunk_states, h.chunk_states, chunks, 0, 0, dtype, stream)?;
+    }
+    Ok(())
+}
+
+/// The whole call's results from the halved call's: y (dx, dz, ddt, dA, ddt_bias) summed over the
+/// halves, dD the first half's, and the states' halves moved back to their last axis.
+fn join_halves(q: &SsdBwdParams, h: &HalvedState, dtype: DType, backward: bool, stream: *mut c_void) -> Result<()> {
+    let p = &q.fwd;
+    let sz = HalfSizes::of(p);
+    let (ep, d_inner) = (sz.e * sz.p, if p.d_per_channel != 0 { sz.e * sz.p } else { sz.e });
+    // Half 0 of (o, half, inner) at `second` = 0, half 1 `inner` past it.
+    let first = |rows: i64, inner: i64| ([rows, 1, 1, inner], [2 * inner, 0, 0, 1]);
+    // A state's (o, half, inner, m) to (o, inner, half, m).
+    let join = |rows: i64, inner: i64| ([rows, inner, 2, sz.n], [2 * inner * sz.n, sz.n, inner * sz.n, 1]);
+    let states = join(sz.state_rows * sz.groups, ep);
+    if !backward {
+        gather(h.y, p.y, first(sz.step_rows, ep), ep, 0, dtype, stream)?;
+        gather(h.final_states.cast(), p.final_states.cast(), states, 0, 0, DType::F32, stream)?;
+        let chunks = join(sz.batch * sz.groups, ep * sz.n_chunks);
+        return gather(h.chunk_states, p.chunk_states, chunks, 0, 0, dtype, stream);
+    }
+    for (src, dst) in [(h.dx, q.dx), (h.dz, q.dz)] {
+        gather(src, dst, first(sz.step_rows, ep), ep, 0, dtype, stream)?;
+    }
+    gather(h.ddt, q.ddt, first(sz.step_rows, sz.e), sz.e, 0, dtype, stream)?;
+    gather(h.da.cast(), q.da.cast(), first(sz.groups, sz.e), sz.e, 0, DType::F32, stream)?;
+    gather(h.ddt_bias.cast(), q.ddt_bias.cast(), first(sz.groups, sz.e), sz.e, 0, DType::F32, stream)?;
+    gather(h.dd.cast(), q.dd.cast(), first(sz.groups, d_inner), 0, 0, DType::F32, stream)?;
+    gather(h.dinitial_states.cast(), q.dinitial_states.cast(), states, 0, 0, DType::F32, stream)
+}
+
+/// One `gather` (kernels/ssd_glue.cu) of `(dims, strides)`; nothing where either array is null.
+fn gather(
+    src: *const c_void,
+    dst: *mut c_void,
+    (dims, strides): ([i64; 4], [i64; 4]),
+    second: i64,
+    zero_from: i64,
+    dtype: DType,
+    stream: *mut c_void,
+) -> Result<()> {
+    let rows = dims[0] * dims[1] * dims[2];
+    if src.is_null() || dst.is_null() || rows * dims[3] == 0 {
+        return Ok(());
+    }
+    let warps_per_block = (THREADS / 32) as u64;
+    let blocks = (rows as u64).div_ceil(warps_per_block).min(MAX_BLOCKS);
+    let config = LaunchConfig { grid: (blocks, 1, 1), block: THREADS, shared_bytes: 0 };
+    let g = Gather { src, dst, dims, strides, second, zero_from };
+    // SAFETY: `src` holds every element the strides reach and `dst` dims' product: the call's
+    // validated arrays and the workspace's (plan::StateHalves), which `workspace_at` checked holds
+    // them; HalfSizes' sizes are those arrays' shapes.
+    unsafe { launch(stream, MODULE, &kernels::ssd_glue("gather", dtype), config, &g) }
 }
 
 /// A split-heads kernel (kernels/ssd_glue.cu): `expand` repeats the per-head operands for the split

@@ -492,6 +492,10 @@ fn workspace_bytes() {
     assert_eq!(wide(fwd, [3, 130, 3, 128, 32, 3, 64]), 1_927_568);
     assert_eq!(wide(bwd, [3, 130, 3, 128, 32, 3, 64]), 3_735_552);
     assert_eq!(wide(bwd, [1, 1087, 16, 64, 100, 4, 128]), 28_467_968);
+    // A state of two halves (plan::StateHalves): 128 heads' x, z and y (3 x 268_435_456), dt
+    // (4_194_304), A, D, dt_bias (512 + 32_768 + 512), the initial and final states (2 x 33_554_432),
+    // the chunk states (134_217_728), the slack (256).
+    assert_eq!(wide(fwd, [8, 2048, 64, 64, 256, 1, 256]), 1_010_861_312);
 }
 
 /// The C API's chunk_states dtype: the inputs' dtype exactly where the tensor-core kernels run (the
@@ -515,7 +519,9 @@ fn chunk_states_dtype() {
     assert_eq!(xla_ssm_ssd_chunk_states_dtype(128, 128, 256, XLA_SSM_BF16), XLA_SSM_BF16, "two heads of 64 a head");
     assert_eq!(xla_ssm_ssd_chunk_states_dtype(96, 128, 256, XLA_SSM_BF16), XLA_SSM_F32, "a head and a half");
     assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 16, 256, XLA_SSM_BF16), XLA_SSM_BF16, "a state widened to 64");
-    assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 256, 256, XLA_SSM_BF16), XLA_SSM_F32, "wider than 128");
+    assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 256, 256, XLA_SSM_BF16), XLA_SSM_BF16, "two halves of 128");
+    assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 200, 64, XLA_SSM_F16), XLA_SSM_F16, "widened to two halves");
+    assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 257, 256, XLA_SSM_BF16), XLA_SSM_F32, "wider than 256");
     assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 128, 256, 7), -1, "unknown dtype");
 }
 

@@ -186,11 +186,11 @@ fn large_shapes() {
     roundtrip_all("large", &cases);
 }
 
-/// The tensor-core kernels (bf16/f16, headdim a multiple of 64, dstate up to 128, chunks of whole
+/// The tensor-core kernels (bf16/f16, headdim a multiple of 64, dstate up to 256, chunks of whole
 /// 64-step tiles): odd lengths, groups, both forms of D, the clamp, z (the backward recomputes y
 /// before the gate, split as far as its records fit), the sequence splits of both passes (few
 /// batch x heads: up to one part per 64-step tile forward, per chunk backward), both ways to dB and
-/// dC, heads of 128 to 256 channels, and dstates of 1 to 100.
+/// dC, heads of 128 to 256 channels, dstates of 1 to 100 (widened), and 200 and 256 (two halves).
 #[test]
 #[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
 fn tensor_core_paths() {
@@ -244,8 +244,21 @@ fn tensor_core_paths() {
         (1, 1087, 16, 64, 100, 4, 128, Dt::F16, DForm::PerHead, false, false),
         (1, 1500, 8, 64, 48, 1, 256, Dt::BF16, DForm::PerChannel, true, false),
     ];
+    // dstates past 128 run as two halves of 128, as twice the groups and heads (plan::StateHalves):
+    // x, z, dt, dy and the per-head operands repeated, the states' halves moved to the heads, y and
+    // the gradients summed back; 200 widened to 256 first; with split heads; through the head sums
+    // (2 x 17 chunks x 2 halved groups, 32 heads each).
+    let halves: [Row; 6] = [
+        (2, 333, 4, 64, 256, 2, 64, Dt::BF16, DForm::PerHead, true, false),
+        (1, 700, 2, 64, 200, 1, 128, Dt::F16, DForm::PerChannel, false, true),
+        (3, 130, 3, 128, 256, 3, 64, Dt::BF16, DForm::None, true, true),
+        (1, 1087, 16, 64, 256, 4, 256, Dt::BF16, DForm::PerHead, false, false),
+        (1, 1, 1, 64, 129, 1, 64, Dt::F16, DForm::PerChannel, true, false),
+        (2, 4100, 32, 64, 256, 1, 256, Dt::BF16, DForm::PerChannel, true, false),
+    ];
     let mut cases: Vec<SsdCase> = heads_of_64.iter().enumerate().map(|(k, r)| case(700 + k as u64, r)).collect();
     cases.extend(other.iter().enumerate().map(|(k, r)| case(800 + k as u64, r)));
+    cases.extend(halves.iter().enumerate().map(|(k, r)| case(900 + k as u64, r)));
     roundtrip_all("tensor cores", &cases);
 }
 
@@ -269,8 +282,8 @@ fn packed_chunk0_zeroed(case: &SsdCase, mut out: FwdOut) -> FwdOut {
 /// backward with states on the generic path, chunk_states in T through an f32 copy in the workspace,
 /// and without on the tensor-core kernels, their decays cut at the boundaries): random
 /// boundaries with empty and length-1 sequences off the chunk grid, sequences a few steps long (many
-/// boundaries in a tile), split heads (headdim 128) and widened states (dstate 16, 100). A workspace
-/// one byte short of the packed size is refused.
+/// boundaries in a tile), split heads (headdim 128), widened states (dstate 16, 100) and states of
+/// two halves (200, 256). A workspace one byte short of the packed size is refused.
 #[test]
 #[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
 fn packed_matches_host() {
@@ -344,6 +357,19 @@ fn packed_matches_host() {
             700,
         ),
         (SsdCase { dtype: Dt::BF16, chunk_size: 256, ..SsdCase::new(1, 0, 2, 64, 16) }, 2500, 300),
+        // A state of two halves (plan::StateHalves): their states a row per sequence, with states
+        // (the generic backward) and without.
+        (SsdCase { dtype: Dt::BF16, chunk_size: 128, ..SsdCase::new(1, 0, 2, 64, 256).all_optional() }, 1500, 300),
+        (
+            SsdCase {
+                dtype: Dt::F16,
+                groups: 2,
+                has_initial_states: false,
+                ..SsdCase::new(1, 0, 4, 64, 200).all_optional()
+            },
+            2000,
+            150,
+        ),
     ];
     let double = |t: Tol| Tol { rel_l2: 2.0 * t.rel_l2, rel_max: 2.0 * t.rel_max };
     for (k, (case, total, longest)) in cases.into_iter().enumerate() {

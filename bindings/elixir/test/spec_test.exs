@@ -583,6 +583,16 @@ defmodule XlaSsm.SpecTest do
       assert Workspace.ssd_fwd_bytes(3, 130, 3, 128, 32, 3, 64, {:bf, 16}) == 1_927_568
       assert Workspace.ssd_bwd_bytes(3, 130, 3, 128, 32, 3, 64, {:bf, 16}) == 3_735_552
       assert Workspace.ssd_bwd_bytes(1, 1087, 16, 64, 100, 4, 128, {:f, 16}) == 28_467_968
+
+      # A state of 256 as two halves of 128 (plan::StateHalves): 128 heads' x, z and y, dt, A, D
+      # and dt_bias, the initial and final states and the chunk states; no records (1024 blocks).
+      per_step = 8 * 2048 * 128 * 64 * 2
+      states = 8 * 128 * 64 * 128 * 4
+      chunks = 8 * 128 * 64 * 8 * 128 * 2
+
+      assert Workspace.ssd_fwd_bytes(8, 2048, 64, 64, 256, 1, 256, {:bf, 16}) ==
+               3 * per_step + 8 * 2048 * 128 * 2 + 512 + 128 * 64 * 4 + 512 + 2 * states + chunks +
+                 256
     end
 
     test "chunk_states type" do
@@ -593,7 +603,9 @@ defmodule XlaSsm.SpecTest do
       assert Workspace.ssd_chunk_states_type(128, 128, 256, {:bf, 16}) == {:bf, 16}
       assert Workspace.ssd_chunk_states_type(96, 128, 256, {:bf, 16}) == {:f, 32}
       assert Workspace.ssd_chunk_states_type(64, 16, 256, {:bf, 16}) == {:bf, 16}
-      assert Workspace.ssd_chunk_states_type(64, 256, 256, {:bf, 16}) == {:f, 32}
+      assert Workspace.ssd_chunk_states_type(64, 256, 256, {:bf, 16}) == {:bf, 16}
+      assert Workspace.ssd_chunk_states_type(64, 200, 128, {:f, 16}) == {:f, 16}
+      assert Workspace.ssd_chunk_states_type(64, 256, 32, {:bf, 16}) == {:f, 32}
       assert Workspace.ssd_chunk_states_type(64, 64, 64, {:f, 32}) == {:f, 32}
     end
   end

@@ -278,6 +278,85 @@ pub struct PadRows {
     pub to: i64,
 }
 
+/// A strided copy (kernels/ssd_glue.cu, `gather`): element (i0, i1, i2, i3) of the dense `dst` of
+/// `dims` is the element of `src` at sum(i_k * strides[k]), plus, where `second` is not 0, the one
+/// `second` elements past it (the sum of two halves, in f32, rounded once). Where `zero_from` is not
+/// 0, elements with i1 >= zero_from are zero instead. Moves arrays to and from a call's
+/// [`plan::StateHalves`]; generated into kernels/params.h as `SsdGather`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct Gather {
+    pub src: *const c_void,
+    pub dst: *mut c_void,
+    pub dims: [i64; 4],
+    pub strides: [i64; 4],
+    pub second: i64,
+    pub zero_from: i64,
+}
+
+/// The arrays of a [`plan::StateHalves`] in a workspace: where the tensor-core kernels read and write
+/// a halved call's arrays (null where the call has no such array); B, C, dB and dC stay where they
+/// are.
+#[derive(Debug, Clone, Copy)]
+pub struct HalvedState {
+    pub x: *mut c_void,
+    pub z: *mut c_void,
+    pub y: *mut c_void,
+    pub dy: *mut c_void,
+    pub dx: *mut c_void,
+    pub dz: *mut c_void,
+    pub dt: *mut c_void,
+    pub ddt: *mut c_void,
+    pub a: *mut f32,
+    pub d: *mut f32,
+    pub dt_bias: *mut f32,
+    pub da: *mut f32,
+    pub dd: *mut f32,
+    pub ddt_bias: *mut f32,
+    pub initial_states: *mut f32,
+    pub final_states: *mut f32,
+    pub dinitial_states: *mut f32,
+    pub dfinal_states: *mut f32,
+    pub chunk_states: *mut c_void,
+}
+
+impl HalvedState {
+    /// The arrays of `layout` in the workspace at `base` (its aligned start) that `bwd` (a forward:
+    /// [`Ssd::as_bwd`]) has.
+    pub fn carve(bwd: &SsdBwd, layout: &plan::StateHalves, base: *mut u8) -> HalvedState {
+        let q = &bwd.params;
+        let p = &q.fwd;
+        let at = |callers: *const c_void, offset: i64| {
+            if callers.is_null() {
+                std::ptr::null_mut()
+            } else {
+                base.wrapping_add(offset as usize) as *mut c_void
+            }
+        };
+        HalvedState {
+            x: at(p.x, layout.x),
+            z: at(p.z, layout.z),
+            y: at(p.y, layout.y),
+            dy: at(q.dy, layout.dy),
+            dx: at(q.dx, layout.dx),
+            dz: at(q.dz, layout.dz),
+            dt: at(p.dt, layout.dt),
+            ddt: at(q.ddt, layout.ddt),
+            a: at(p.a.cast(), layout.a).cast(),
+            d: at(p.d.cast(), layout.d).cast(),
+            dt_bias: at(p.dt_bias.cast(), layout.dt_bias).cast(),
+            da: at(q.da.cast(), layout.da).cast(),
+            dd: at(q.dd.cast(), layout.dd).cast(),
+            ddt_bias: at(q.ddt_bias.cast(), layout.ddt_bias).cast(),
+            initial_states: at(p.initial_states.cast(), layout.initial_states).cast(),
+            final_states: at(p.final_states.cast(), layout.final_states).cast(),
+            dinitial_states: at(q.dinitial_states.cast(), layout.dinitial_states).cast(),
+            dfinal_states: at(q.dfinal_states.cast(), layout.dfinal_states).cast(),
+            chunk_states: at(p.chunk_states, layout.chunk_states),
+        }
+    }
+}
+
 /// The arrays of a [`plan::PadState`] in a workspace: where the tensor-core kernels read and write
 /// the call's state-sized arrays, widened to `dstate` (null where the call has no such array).
 #[derive(Debug, Clone, Copy)]
@@ -588,6 +667,43 @@ impl SsdBwd {
         SsdBwd { params, ..*self }
     }
 
+    /// This call with its state's two halves run as twice the groups and heads
+    /// ([`plan::StateHalves`]): every array but B, C, dB and dC is `halved`'s.
+    pub fn halve_state(&self, halved: &HalvedState) -> SsdBwd {
+        let q = &self.params;
+        let p = &q.fwd;
+        let fwd = SsdParams {
+            x: halved.x,
+            dt: halved.dt,
+            a: halved.a,
+            d: halved.d,
+            z: halved.z,
+            dt_bias: halved.dt_bias,
+            initial_states: halved.initial_states,
+            y: halved.y,
+            final_states: halved.final_states,
+            chunk_states: halved.chunk_states,
+            heads: p.heads * 2,
+            groups: p.groups * 2,
+            dstate: p.dstate / 2,
+            ..*p
+        };
+        let params = SsdBwdParams {
+            fwd,
+            dy: halved.dy,
+            dfinal_states: halved.dfinal_states,
+            dx: halved.dx,
+            ddt: halved.ddt,
+            da: halved.da,
+            dd: halved.dd,
+            dz: halved.dz,
+            ddt_bias: halved.ddt_bias,
+            dinitial_states: halved.dinitial_states,
+            ..*q
+        };
+        SsdBwd { params, ..*self }
+    }
+
     /// This call on a state widened to `pad.dstate`: its state-sized arrays are `pad`'s.
     pub fn pad_state(&self, pad: &PaddedState) -> SsdBwd {
         let q = &self.params;
@@ -616,6 +732,11 @@ impl Ssd {
     /// The forward as [`SsdBwd::pad_state`] views it.
     pub fn pad_state(&self, pad: &PaddedState) -> Ssd {
         Ssd { params: self.as_bwd().pad_state(pad).params.fwd, ..*self }
+    }
+
+    /// The forward as [`SsdBwd::halve_state`] views it.
+    pub fn halve_state(&self, halved: &HalvedState) -> Ssd {
+        Ssd { params: self.as_bwd().halve_state(halved).params.fwd, ..*self }
     }
 
     /// The forward as [`SsdBwd::split_heads`] views it.
@@ -893,7 +1014,7 @@ fn expect_chunk_states(op: &str, kind: &str, t: &Tensor, k: &Checked) -> Result<
         "f32 unless the tensor-core kernels run"
     } else {
         "the inputs' dtype where the tensor-core kernels run (bf16/f16, headdim a multiple of 64, \
-         dstate 1 to 128, chunk_size 64, 128 or 256)"
+         dstate 1 to 256, chunk_size 64, 128 or 256)"
     };
     Err(Error::invalid(format!(
         "{op}: {kind} `chunk_states`: expected dtype {} ({why}; xla_ssm_ssd_chunk_states_dtype), got {}",

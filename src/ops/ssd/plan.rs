@@ -215,9 +215,12 @@ const MMA_WAVE_BLOCKS: i64 = 264;
 
 /// The tensor-core kernels' dstates (template instances); a smaller dstate runs as the next one up.
 pub const MMA_DSTATES: [i64; 2] = [64, 128];
+/// The largest dstate the tensor-core path takes: a state wider than the largest instance runs as
+/// two halves of it ([`StateHalves`]).
+pub const MMA_MAX_DSTATE: i64 = 256;
 
 /// Whether the tensor-core kernels take a call of this shape: 2-byte elements (bf16, f16),
-/// headdim a multiple of 64, dstate 1 to 128, chunks of whole tiles (its chunk states are written
+/// headdim a multiple of 64, dstate 1 to 256, chunks of whole tiles (its chunk states are written
 /// per tile). Depends on nothing else (not on batch, seqlen, heads or groups, which sharding splits).
 pub fn mma_applies(s: &Shape) -> bool {
     s.elem_bytes == 2
@@ -228,27 +231,43 @@ pub fn mma_applies(s: &Shape) -> bool {
         && s.chunk_size <= MMA_MAX_CHUNK
 }
 
-/// The kernels' dstate for a call's: the smallest instance that holds it ([`PadState`]).
+/// The width the tensor-core path widens a call's state to ([`PadState`]): the smallest instance that
+/// holds it, else two of the largest (run as [`StateHalves`]).
 pub fn mma_dstate(dstate: i64) -> Option<i64> {
-    MMA_DSTATES.into_iter().find(|&n| dstate >= 1 && dstate <= n)
+    MMA_DSTATES.into_iter().chain([MMA_MAX_DSTATE]).find(|&n| dstate >= 1 && dstate <= n)
 }
 
-/// The shape the tensor-core kernels run: each head as `headdim / 64` heads of 64 channels, and the
-/// state widened to the kernels' dstate. A head's channels are independent given its dt, A, B and
-/// C, and x, z, y, the states and their gradients keep their bytes ((heads, headdim) = (heads *
-/// ways, 64)); only the per-head operands are repeated ([`SplitHeads`]). A state widened with zero
-/// columns of B and C stays zero there and adds nothing to y ([`PadState`]).
+/// The largest instance, of which MMA_MAX_DSTATE is two.
+const MMA_LARGEST_DSTATE: i64 = MMA_DSTATES[MMA_DSTATES.len() - 1];
+const _: () = assert!(MMA_MAX_DSTATE == 2 * MMA_LARGEST_DSTATE);
+
+/// Halves of the widened state the kernels run apart: 2 past the largest instance, else 1.
+pub fn state_halves(dstate: i64) -> i64 {
+    mma_dstate(dstate).map_or(1, |n| (n / MMA_LARGEST_DSTATE).max(1))
+}
+
+/// The shape the tensor-core kernels run: the state widened to the kernels' dstate ([`PadState`]),
+/// a state of two halves as twice the groups and heads ([`StateHalves`]), and each head as `headdim /
+/// 64` heads of 64 channels ([`SplitHeads`]). A head's channels are independent given its dt, A, B
+/// and C, and x, z, y, the states and their gradients keep their bytes ((heads, headdim) = (heads *
+/// ways, 64)); only the per-head operands are repeated. A state widened with zero columns of B and
+/// C stays zero there and adds nothing to y.
 pub fn mma_shape(s: &Shape) -> Shape {
     let ways = (s.headdim / MMA_HEADDIM).max(1);
-    let dstate = mma_dstate(s.dstate).unwrap_or(s.dstate);
-    Shape { heads: s.heads * ways, headdim: s.headdim.min(MMA_HEADDIM), dstate, ..*s }
+    let halves = state_halves(s.dstate);
+    let dstate = mma_dstate(s.dstate).unwrap_or(s.dstate) / halves;
+    let (heads, groups) = (s.heads * halves * ways, s.groups * halves);
+    Shape { heads, groups, headdim: s.headdim.min(MMA_HEADDIM), dstate, ..*s }
 }
 
-/// The tensor-core path's workspace: [`PadState`]'s arrays, then [`SplitHeads`]' (at `split_at`),
-/// then the kernels' (at `kernels_at`: the forward's split records, or [`mma_bwd_layout`]).
+/// The tensor-core path's workspace: [`PadState`]'s arrays, then [`StateHalves`]' (at
+/// `halves_at`), then [`SplitHeads`]' (at `split_at`), then the kernels' (at `kernels_at`: the
+/// forward's split records, or [`mma_bwd_layout`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MmaWorkspace {
     pub pad: PadState,
+    pub halves: StateHalves,
+    pub halves_at: i64,
     pub split: SplitHeads,
     pub split_at: i64,
     pub kernels_at: i64,
@@ -269,8 +288,13 @@ impl MmaWorkspace {
     }
 
     fn with_state_rows(s: &Shape, state_rows: i64, backward: bool) -> MmaWorkspace {
-        let (pad, split) = (PadState::new(s, state_rows, backward), SplitHeads::new(s, backward));
-        let kernels_at = pad.bytes + split.bytes;
+        let pad = PadState::new(s, state_rows, backward);
+        let halves = StateHalves::new(s, state_rows, backward);
+        // The split heads are those of the halved call.
+        let halved = Shape { heads: s.heads * halves.halves, ..*s };
+        let split = SplitHeads::new(&halved, backward);
+        let (halves_at, split_at) = (pad.bytes, pad.bytes + halves.bytes);
+        let kernels_at = split_at + split.bytes;
         let m = mma_shape(s);
         let kernels = if backward { mma_bwd_layout(&m).bytes } else { mma_fwd_bytes(&m) };
         let bytes = match (kernels_at, kernels) {
@@ -278,7 +302,7 @@ impl MmaWorkspace {
             (arrays, 0) => arrays + ALIGN,
             (arrays, kernels) => arrays + kernels,
         };
-        MmaWorkspace { pad, split, split_at: pad.bytes, kernels_at, kernels_bytes: kernels, bytes }
+        MmaWorkspace { pad, halves, halves_at, split, split_at, kernels_at, kernels_bytes: kernels, bytes }
     }
 }
 
@@ -333,6 +357,97 @@ impl PadState {
             dc,
             dinitial_states,
             dfinal_states,
+            bytes: c.next,
+        }
+    }
+}
+
+/// Where a call whose widened state is two halves of the kernels' largest dstate keeps the arrays of
+/// the call the kernels run instead (kernels/ssd_glue.cu, `gather`; offsets from
+/// [`MmaWorkspace`]'s `halves_at`). The state's columns split as n = half * 128 + m, so B and C
+/// (batch, seqlen, groups, 2 * 128) are already (batch, seqlen, 2 * groups, 128): group 2g + k is
+/// half k of group g. Its heads are those of group g again, head (2g + k) * E + j for head g * E + j
+/// (E heads a group): x, z, dt and dy are repeated per half, and A, D and dt_bias (D in the first half
+/// only, zero in the second, so that D x is added once). y, dx, dz, ddt, dA and ddt_bias are sums over
+/// the halves, dD the first half's, and the states move their half from the last axis to the head's.
+/// All empty (bytes 0) where the state is not halved.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StateHalves {
+    /// 2, or 1 where nothing is halved.
+    pub halves: i64,
+    /// (batch, seqlen, 2 * heads, headdim) T each: x, z and y; backward: z, dy, dx and dz (no y).
+    pub x: i64,
+    pub z: i64,
+    pub y: i64,
+    pub dy: i64,
+    pub dx: i64,
+    pub dz: i64,
+    /// (batch, seqlen, 2 * heads) T: dt; backward also ddt.
+    pub dt: i64,
+    pub ddt: i64,
+    /// (2 * heads) f32: A and dt_bias; (2 * heads, headdim) f32: D, either of its shapes. Backward
+    /// also their gradients.
+    pub a: i64,
+    pub d: i64,
+    pub dt_bias: i64,
+    pub da: i64,
+    pub dd: i64,
+    pub ddt_bias: i64,
+    /// (state rows, 2 * heads, headdim, 128) f32 each.
+    pub initial_states: i64,
+    pub final_states: i64,
+    pub dinitial_states: i64,
+    pub dfinal_states: i64,
+    /// (batch, 2 * heads, headdim, n_chunks, 128) T.
+    pub chunk_states: i64,
+    /// The arrays' extent, a multiple of ALIGN.
+    pub bytes: i64,
+}
+
+impl StateHalves {
+    pub fn new(s: &Shape, state_rows: i64, backward: bool) -> StateHalves {
+        let halves = state_halves(s.dstate);
+        if halves == 1 {
+            return StateHalves { halves, ..StateHalves::default() };
+        }
+        let (heads, n) = (s.heads * halves, MMA_LARGEST_DSTATE);
+        let per_step = s.batch * s.seqlen * heads * s.headdim * s.elem_bytes;
+        let dt = s.batch * s.seqlen * heads * s.elem_bytes;
+        let (per_head, per_channel) = (heads * 4, heads * s.headdim * 4);
+        let states = state_rows * heads * s.headdim * n * 4;
+        let chunks = s.batch * heads * s.headdim * n_chunks(s.seqlen, s.chunk_size) * n * s.elem_bytes;
+        let (fwd_only, bwd_only) = (|b: i64| if backward { 0 } else { b }, |b: i64| if backward { b } else { 0 });
+        let mut c = Carver::default();
+        let (x, z, y) = (c.take(per_step), c.take(per_step), c.take(fwd_only(per_step)));
+        let (dy, dx, dz) = (c.take(bwd_only(per_step)), c.take(bwd_only(per_step)), c.take(bwd_only(per_step)));
+        let (dt, ddt) = (c.take(dt), c.take(bwd_only(dt)));
+        let (a, d, dt_bias) = (c.take(per_head), c.take(per_channel), c.take(per_head));
+        let (da, dd, ddt_bias) =
+            (c.take(bwd_only(per_head)), c.take(bwd_only(per_channel)), c.take(bwd_only(per_head)));
+        let (initial_states, final_states) = (c.take(states), c.take(fwd_only(states)));
+        let (dinitial_states, dfinal_states) = (c.take(bwd_only(states)), c.take(bwd_only(states)));
+        let chunk_states = c.take(chunks);
+        StateHalves {
+            halves,
+            x,
+            z,
+            y,
+            dy,
+            dx,
+            dz,
+            dt,
+            ddt,
+            a,
+            d,
+            dt_bias,
+            da,
+            dd,
+            ddt_bias,
+            initial_states,
+            final_states,
+            dinitial_states,
+            dfinal_states,
+            chunk_states,
             bytes: c.next,
         }
     }
@@ -427,7 +542,7 @@ pub fn part_records_split(s: &Shape) -> MmaFwdSplit {
 /// (batch, head). Where the tensor-core kernels run the call as it is (headdim 64, dstate 64 or
 /// 128: no split heads, no widened state); 0 elsewhere, where the call is refused.
 pub fn part_records_floats(s: &Shape) -> i64 {
-    let native = mma_applies(s) && s.headdim == MMA_HEADDIM && mma_dstate(s.dstate) == Some(s.dstate);
+    let native = mma_applies(s) && s.headdim == MMA_HEADDIM && MMA_DSTATES.contains(&s.dstate);
     if !native {
         return 0;
     }
@@ -850,9 +965,11 @@ mod tests {
     #[test]
     fn small_states_run_widened() {
         assert_eq!([1, 16, 64, 65, 100, 128].map(mma_dstate), [64, 64, 64, 128, 128, 128].map(Some));
-        assert_eq!([0, 129, 256].map(mma_dstate), [None; 3]);
+        assert_eq!([129, 200, 256].map(mma_dstate), [Some(256); 3]);
+        assert_eq!([0, 257].map(mma_dstate), [None; 2]);
         let s = Shape { dstate: 16, ..mamba2(8, 2048) };
-        assert!(mma_applies(&s) && !mma_applies(&Shape { dstate: 256, ..s }));
+        assert!(mma_applies(&s) && mma_applies(&Shape { dstate: 256, ..s }));
+        assert!(!mma_applies(&Shape { dstate: 257, ..s }));
         assert_eq!(mma_shape(&s).dstate, 64);
         assert_eq!(PadState::new(&mamba2(8, 2048), 8, true), PadState { dstate: 128, ..PadState::default() });
 
@@ -890,6 +1007,62 @@ mod tests {
         let state_bytes = 64 * 64 * 64 * 4;
         assert_eq!(five.pad.final_states - five.pad.initial_states, 5 * state_bytes);
         assert_eq!(packed_fwd_workspace_bytes(&packed, 5), five.bytes);
+    }
+
+    #[test]
+    fn wide_states_run_as_two_halves() {
+        assert_eq!([1, 64, 128, 129, 256].map(state_halves), [1, 1, 1, 2, 2]);
+        let s = Shape { dstate: 256, ..mamba2(8, 2048) };
+        let m = mma_shape(&s);
+        assert_eq!((m.heads, m.groups, m.headdim, m.dstate), (128, 2, 64, 128));
+        let wide = mma_shape(&Shape { headdim: 128, dstate: 200, ..s });
+        assert_eq!((wide.heads, wide.groups, wide.headdim, wide.dstate), (256, 2, 64, 128));
+        assert_eq!(StateHalves::new(&mamba2(8, 2048), 8, true), StateHalves { halves: 1, ..StateHalves::default() });
+        assert_eq!(part_records_floats(&s), 0, "part records only where the kernels run the call as it is");
+
+        let per_step = 8 * 2048 * 128 * 64 * 2;
+        let (dt, per_head, d) = (8 * 2048 * 128 * 2, 128 * 4, 128 * 64 * 4);
+        let (states, chunks) = (8 * 128 * 64 * 128 * 4, 8 * 128 * 64 * 8 * 128 * 2);
+        for backward in [false, true] {
+            let l = StateHalves::new(&s, s.batch, backward);
+            let (f, b) = if backward { (0, 1) } else { (1, 0) };
+            let spans = [
+                (l.x, per_step),
+                (l.z, per_step),
+                (l.y, f * per_step),
+                (l.dy, b * per_step),
+                (l.dx, b * per_step),
+                (l.dz, b * per_step),
+                (l.dt, dt),
+                (l.ddt, b * dt),
+                (l.a, per_head),
+                (l.d, d),
+                (l.dt_bias, per_head),
+                (l.da, b * per_head),
+                (l.dd, b * d),
+                (l.ddt_bias, b * per_head),
+                (l.initial_states, states),
+                (l.final_states, f * states),
+                (l.dinitial_states, b * states),
+                (l.dfinal_states, b * states),
+                (l.chunk_states, chunks),
+            ];
+            assert_aligned_and_disjoint(&spans, l.bytes);
+            assert_eq!(l.bytes, spans.iter().map(|&(_, len)| (len + ALIGN - 1) / ALIGN * ALIGN).sum::<i64>());
+            // Widened state, then its halves, then the halved call's split heads, then the kernels'.
+            let both = Shape { headdim: 128, dstate: 200, ..s };
+            let ws = MmaWorkspace::new(&both, backward);
+            let halves = StateHalves::new(&both, both.batch, backward);
+            assert_eq!((ws.pad.dstate, ws.halves, ws.halves_at), (256, halves, ws.pad.bytes));
+            assert_eq!(ws.split, SplitHeads::new(&Shape { heads: 128, ..both }, backward));
+            assert_eq!((ws.split_at, ws.kernels_at), (ws.pad.bytes + halves.bytes, ws.split_at + ws.split.bytes));
+            assert_eq!(ws.split.ways, 2);
+        }
+        // A packed forward's states have a row per sequence.
+        let packed = Shape { batch: 1, seqlen: 3000, ..s };
+        let five = MmaWorkspace::packed(&packed, 5);
+        assert_eq!(five.halves, StateHalves::new(&packed, 5, false));
+        assert_eq!(five.halves.final_states - five.halves.initial_states, 5 * 128 * 64 * 128 * 4);
     }
 
     /// The workspace functions size for the path that runs: where the tensor-core kernels apply the

@@ -152,7 +152,7 @@ impl SsdCase {
         self.dtype != Dt::F32
             && self.headdim > 0
             && self.headdim.is_multiple_of(64)
-            && (1..=128).contains(&self.dstate)
+            && (1..=256).contains(&self.dstate)
             && self.chunk_size.is_multiple_of(64)
     }
 

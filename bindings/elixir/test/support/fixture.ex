@@ -439,6 +439,11 @@ defmodule XlaSsm.Test.Fixture do
       {1, 100, 2, 64, 64, 1, 64},
       {2, 0, 2, 64, 64, 1, 64},
       {1, 1, 2, 64, 128, 1, 256},
+      # a state of two halves (dstate 129 to 256), with split heads
+      {8, 2048, 64, 64, 256, 1, 256},
+      {1, 16384, 64, 64, 256, 1, 256},
+      {1, 700, 2, 64, 200, 1, 128},
+      {3, 130, 3, 128, 256, 3, 64},
       # generic path: other headdim / dstate / chunk
       {8, 2048, 64, 48, 128, 1, 256},
       {2, 33, 6, 5, 7, 3, 32},
@@ -470,7 +475,7 @@ defmodule XlaSsm.Test.Fixture do
   defp render_chunk_types do
     lines =
       for headdim <- [32, 64],
-          dstate <- [16, 64, 128],
+          dstate <- [16, 64, 128, 200, 256],
           chunk <- [32, 64, 128, 256],
           type <- [:f32, :bf16, :f16] do
         got = Workspace.ssd_chunk_states_type(headdim, dstate, chunk, Spec.normalize_type(type))

@@ -29,6 +29,7 @@ defmodule XlaSsm.Spec.Workspace do
   @mma_tile 64
   @mma_headdim 64
   @mma_dstates [64, 128]
+  @mma_max_dstate 256
   @mma_wave_blocks 264
   @mma_max_chunk 256
   @msum_max_split 2
@@ -206,25 +207,43 @@ defmodule XlaSsm.Spec.Workspace do
       s.chunk_size <= @mma_max_chunk
   end
 
-  # plan::mma_dstate: the smallest of the kernels' dstates that holds it.
-  defp mma_dstate(n), do: Enum.find(@mma_dstates, &(n >= 1 and n <= &1))
+  # plan::mma_dstate: the smallest of the kernels' dstates that holds it, else two of the largest.
+  defp mma_dstate(n), do: Enum.find(@mma_dstates ++ [@mma_max_dstate], &(n >= 1 and n <= &1))
 
-  # plan::mma_shape: each head as headdim / 64 heads of 64, the state widened.
+  # plan::state_halves: a widened state past the largest instance runs as two halves of it.
+  defp state_halves(n) do
+    case mma_dstate(n) do
+      nil -> 1
+      width -> max(div(width, List.last(@mma_dstates)), 1)
+    end
+  end
+
+  # plan::mma_shape: the state widened, two halves as twice the groups and heads, each head as
+  # headdim / 64 heads of 64.
   defp mma_shape(s) do
     ways = max(div(s.headdim, @mma_headdim), 1)
+    halves = state_halves(s.dstate)
 
     %{
       s
-      | heads: s.heads * ways,
+      | heads: s.heads * halves * ways,
+        groups: s.groups * halves,
         headdim: min(s.headdim, @mma_headdim),
-        dstate: mma_dstate(s.dstate) || s.dstate
+        dstate: div(mma_dstate(s.dstate) || s.dstate, halves)
     }
   end
 
-  # plan::MmaWorkspace::new(s, backward).bytes: the widened state's arrays (PadState), the split
-  # heads' (SplitHeads), then the kernels'.
+  # plan::MmaWorkspace::new(s, backward).bytes: the widened state's arrays (PadState), the halves'
+  # (StateHalves), the halved call's split heads' (SplitHeads), then the kernels'.
   defp mma_workspace_bytes(s, backward) do
-    arrays = aligned_sum(pad_state_arrays(s, backward) ++ split_heads_arrays(s, backward))
+    halved = %{s | heads: s.heads * state_halves(s.dstate)}
+
+    arrays =
+      aligned_sum(
+        pad_state_arrays(s, backward) ++
+          state_halves_arrays(s, backward) ++ split_heads_arrays(halved, backward)
+      )
+
     m = mma_shape(s)
     kernels = if backward, do: mma_bwd_bytes(m), else: mma_fwd_bytes(m)
 
@@ -247,6 +266,29 @@ defmodule XlaSsm.Spec.Workspace do
       states = s.batch * s.heads * s.headdim * n * 4
       chunks = s.batch * s.heads * s.headdim * ceil_div(s.seqlen, s.chunk_size) * n * s.elem_bytes
       [bc, bc, states, states, chunks] ++ if(backward, do: [bc, bc, states, states], else: [])
+    end
+  end
+
+  # plan::StateHalves: the halved call's x, z, dt, A, D, dt_bias, states and chunk states (forward
+  # also y and the final states; backward dy, the gradients and dfinal_states); none unless halved.
+  defp state_halves_arrays(s, backward) do
+    halves = state_halves(s.dstate)
+
+    if halves == 1 do
+      []
+    else
+      heads = s.heads * halves
+      n = List.last(@mma_dstates)
+      per_step = s.batch * s.seqlen * heads * s.headdim * s.elem_bytes
+      dt = s.batch * s.seqlen * heads * s.elem_bytes
+      {per_head, d} = {heads * 4, heads * s.headdim * 4}
+      states = s.batch * heads * s.headdim * n * 4
+      chunks = s.batch * heads * s.headdim * ceil_div(s.seqlen, s.chunk_size) * n * s.elem_bytes
+      both = [per_step, per_step, dt, per_head, d, per_head, states, chunks]
+
+      if backward,
+        do: both ++ [per_step, per_step, per_step, dt, per_head, d, per_head, states, states],
+        else: both ++ [per_step, states]
     end
   end
 
