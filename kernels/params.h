@@ -313,11 +313,12 @@ typedef struct SsdPadRows {
   int64_t to;
 } SsdPadRows;
 
-// A strided copy (kernels/ssd_glue.cu, `gather`): element (i0, i1, i2, i3) of the dense `dst` of
-// `dims` is the element of `src` at sum(i_k * strides[k]), plus, where `second` is not 0, the one
-// `second` elements past it (the sum of two halves, in f32, rounded once). Where `zero_from` is not
-// 0, elements with i1 >= zero_from are zero instead. Moves arrays to and from a call's
-// [`plan::StateHalves`]; generated into kernels/params.h as `SsdGather`.
+// A strided copy (kernels/ssd_glue.cu, `gather`): element (i0, i1, i2, i3) of `dst`, rows of
+// `dst_cols` elements (at least dims[3]) after `dims`' first three, is the element of `src` at
+// sum(i_k * strides[k]), plus, where `second` is not 0, the one `second` elements past it (the sum
+// of two halves, in f32, rounded once). Elements past dims[3] in a row, and where `zero_from` is not
+// 0 those with i1 >= zero_from, are zero. Moves arrays to and from the calls of
+// [`plan::StateHalves`] and [`plan::PadHeads`]; generated into kernels/params.h as `SsdGather`.
 typedef struct SsdGather {
   const void *src;
   void *dst;
@@ -325,6 +326,7 @@ typedef struct SsdGather {
   int64_t strides[4];
   int64_t second;
   int64_t zero_from;
+  int64_t dst_cols;
 } SsdGather;
 
 // The tensor-core forward's sequence split; generated into kernels/params.h as `FwdSplit`. The main

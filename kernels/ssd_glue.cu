@@ -183,12 +183,12 @@ __device__ __forceinline__ void pad_rows(const SsdPadRows a) {
     }
 }
 
-// A strided copy into a dense array, or the sum of two such (SsdGather in kernels/params.h): moves a
-// call's arrays to and from the halved call of plan::StateHalves (src/ops/ssd/plan.rs). A row of
-// dims[3] elements per (i0, i1, i2), the rows split over the grid's warps, so that the index
-// arithmetic is per row. Where the rows are contiguous and 16-byte aligned (x, y, the states and
-// their gradients: most of the bytes moved), a lane moves 16 bytes at a time, four loads in flight
-// before their stores. The sum is in f32, rounded to E once.
+// A strided copy, or the sum of two such (SsdGather in kernels/params.h), into rows of dst_cols
+// elements, zeros past dims[3]: moves a call's arrays to and from the calls of plan::StateHalves and
+// plan::PadHeads (src/ops/ssd/plan.rs). A row per (i0, i1, i2), the rows split over the grid's warps,
+// so that the index arithmetic is per row. Where the rows are contiguous and 16-byte aligned (x, y,
+// the states and their gradients: most of the bytes moved), a lane moves 16 bytes at a time, four
+// loads in flight before their stores. The sum is in f32, rounded to E once.
 template <typename E>
 __device__ __forceinline__ uint4 add_pack(uint4 a, uint4 b) {
     constexpr int V = 16 / sizeof(E);
@@ -201,20 +201,20 @@ __device__ __forceinline__ uint4 add_pack(uint4 a, uint4 b) {
     return a;
 }
 
-// Row elements `first`, `first + step`, ... of a row, 16 bytes each.
+// Packs `first`, `first + step`, ... of a row of `out` packs, 16 bytes each.
 template <typename E>
-__device__ __forceinline__ void gather_packed_row(const SsdGather& g, const E* from, E* to, bool zero, int first,
-                                                  int step) {
+__device__ __forceinline__ void gather_packed_row(const SsdGather& g, const E* from, E* to, int64_t out, bool zero,
+                                                  int first, int step) {
     constexpr int V = 16 / sizeof(E), U = 4;
     const uint4* src = reinterpret_cast<const uint4*>(from);
     uint4* dst = reinterpret_cast<uint4*>(to);
     const int64_t n = g.dims[3] / V, second = g.second / V;
-    for (int64_t c0 = first; c0 < n; c0 += step * U) {
+    for (int64_t c0 = first; c0 < out; c0 += step * U) {
         uint4 v[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int64_t c = c0 + step * u;
-            if (c < n) v[u] = zero ? make_uint4(0, 0, 0, 0) : src[c];  // 0.0 is all zero bits in E
+            if (c < out) v[u] = zero || c >= n ? make_uint4(0, 0, 0, 0) : src[c];  // 0.0 is all zero bits in E
         }
         if (second != 0 && !zero) {
 #pragma unroll
@@ -226,18 +226,20 @@ __device__ __forceinline__ void gather_packed_row(const SsdGather& g, const E* f
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int64_t c = c0 + step * u;
-            if (c < n) dst[c] = v[u];
+            if (c < out) dst[c] = v[u];
         }
     }
 }
 
-// Row elements `first`, `first + step`, ... of a row, one at a time.
+// Elements `first`, `first + step`, ... of a row of `out`, one at a time.
 template <typename E>
-__device__ __forceinline__ void gather_row(const SsdGather& g, const E* from, E* to, bool zero, int first, int step) {
-    for (int64_t c = first; c < g.dims[3]; c += step) {
+__device__ __forceinline__ void gather_row(const SsdGather& g, const E* from, E* to, int64_t out, bool zero, int first,
+                                           int step) {
+    for (int64_t c = first; c < out; c += step) {
         const int64_t at = c * g.strides[3];
-        float v = zero ? 0.f : to_f32(from[at]);
-        if (g.second != 0 && !zero) v += to_f32(from[at + g.second]);
+        const bool none = zero || c >= g.dims[3];
+        float v = none ? 0.f : to_f32(from[at]);
+        if (g.second != 0 && !none) v += to_f32(from[at + g.second]);
         to[c] = from_f32<E>(v);
     }
 }
@@ -248,11 +250,12 @@ __device__ __forceinline__ void gather(const SsdGather g) {
     const E* src = static_cast<const E*>(g.src);
     E* dst = static_cast<E*>(g.dst);
     const int64_t rows = g.dims[0] * g.dims[1] * g.dims[2], cols = g.dims[3];
-    const bool packs = g.strides[3] == 1 && cols % V == 0 && g.strides[0] % V == 0 && g.strides[1] % V == 0 &&
-                       g.strides[2] % V == 0 && g.second % V == 0 && (uintptr_t)src % 16 == 0 &&
-                       (uintptr_t)dst % 16 == 0;
+    const int64_t out = g.dst_cols > cols ? g.dst_cols : cols;
+    const bool packs = g.strides[3] == 1 && cols % V == 0 && out % V == 0 && g.strides[0] % V == 0 &&
+                       g.strides[1] % V == 0 && g.strides[2] % V == 0 && g.second % V == 0 &&
+                       (uintptr_t)src % 16 == 0 && (uintptr_t)dst % 16 == 0;
     // Rows of fewer than 32 packs (a state's half of 128, dt's heads) share a warp.
-    const int64_t row_packs = cols / V;
+    const int64_t row_packs = out / V;
     const int lanes = packs && row_packs < 32 && 32 % row_packs == 0 ? int(row_packs) : 32;
     const int per_warp = 32 / lanes, lane = threadIdx.x & 31;
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
@@ -264,9 +267,9 @@ __device__ __forceinline__ void gather(const SsdGather g) {
         const E* from = src + i0 * g.strides[0] + i1 * g.strides[1] + i2 * g.strides[2];
         const bool zero = g.zero_from != 0 && i1 >= g.zero_from;
         if (packs) {
-            gather_packed_row(g, from, dst + row * cols, zero, lane % lanes, lanes);
+            gather_packed_row(g, from, dst + row * out, row_packs, zero, lane % lanes, lanes);
         } else {
-            gather_row(g, from, dst + row * cols, zero, lane, 32);
+            gather_row(g, from, dst + row * out, out, zero, lane, 32);
         }
     }
 }

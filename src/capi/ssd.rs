@@ -320,7 +320,7 @@ fn ssd_shape(
 }
 
 /// The dtype code of `chunk_states` for an SSD call of element type `dtype` (both targets, forward
-/// and backward): `dtype` where the tensor-core kernels run (bf16 or f16, headdim a multiple of 64,
+/// and backward): `dtype` where the tensor-core kernels run (bf16 or f16, headdim at least 32,
 /// dstate 1 to 256, chunk_size 64, 128 or 256), else XLA_SSM_F32; -1 for an unknown dtype code.
 /// Depends on these values only (not on batch, seqlen, heads or groups).
 #[no_mangle]

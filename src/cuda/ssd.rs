@@ -1,10 +1,10 @@
 //! The CUDA target. [`fwd`] and [`bwd`] pick a path: the tensor-core kernels ([`super::ssd_mma`])
-//! where they apply (bf16/f16, headdim a multiple of 64, dstate 1 to 256, chunks of whole 64-step
-//! tiles; a head wider than 64 runs as heads of 64, a state narrower than the kernels' 64 or 128
-//! is widened, and one wider than 128 runs as two halves of 128, `plan::mma_shape`), else the
-//! generic one: expand the per-head operands to channels (kernels/ssd_glue.cu), run the selective
-//! scan's CUDA kernels, and (backward) sum its per-channel gradients back to heads. Scratch comes
-//! from the workspace result ([`crate::ops::ssd::plan`]).
+//! where they apply (bf16/f16, headdim at least 32, dstate 1 to 256, chunks of whole 64-step tiles;
+//! a head not a multiple of 64 is widened to one, a head wider than 64 runs as heads of 64, a state
+//! narrower than the kernels' 64 or 128 is widened, and one wider than 128 runs as two halves of
+//! 128, `plan::mma_shape`), else the generic one: expand the per-head operands to channels
+//! (kernels/ssd_glue.cu), run the selective scan's CUDA kernels, and (backward) sum its per-channel
+//! gradients back to heads. Scratch comes from the workspace result ([`crate::ops::ssd::plan`]).
 //!
 //! Packed sequences (`cu_seqlens`): the tensor-core forward cuts its tiles at the boundaries and
 //! resets the state between them (kernels/ssd_fwd_common.cuh, `Windows`); its states have a row per
@@ -20,8 +20,8 @@ use super::{launch, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::ops::ssd::plan::{self, Layout};
 use crate::ops::ssd::{
-    scan_bwd, scan_fwd, Gather, GlueParams, HalvedState, PadRows, PaddedState, Scratch, SplitHeadsParams, Ssd, SsdBwd,
-    SsdBwdParams, SsdParams,
+    scan_bwd, scan_fwd, Gather, GlueParams, HalvedState, PadRows, PaddedHeads, PaddedState, Scratch, SplitHeadsParams,
+    Ssd, SsdBwd, SsdBwdParams, SsdParams,
 };
 use crate::ops::Records;
 use crate::ops::{selective_scan, Platform};
@@ -74,12 +74,21 @@ pub fn fwd(ssd: &Ssd, stream: *mut c_void) -> Result<()> {
         halve(&whole.params(), halved, dtype, false, stream)?;
         run = run.halve_state(halved);
     }
+    let before_heads = run.as_bwd();
+    let padded = (ws.heads.headdim != p.headdim).then(|| PaddedHeads::carve(&before_heads, &ws.heads, at(ws.heads_at)));
+    if let Some(padded) = &padded {
+        widen_heads(&before_heads.params(), padded, dtype, false, stream)?;
+        run = run.pad_heads(padded);
+    }
     if ws.split.ways > 1 {
         let split = SplitHeadsParams::carve(&run.as_bwd(), &ws.split, at(ws.split_at), false);
         split_heads("expand", &split, dtype, stream)?;
         run = run.split_heads(&split);
     }
     ssd_mma::fwd(&run, &plan::mma_shape(&shape), at(ws.kernels_at), ws.kernels_bytes, stream)?;
+    if let Some(padded) = &padded {
+        narrow_heads(&before_heads.params(), padded, dtype, false, stream)?;
+    }
     if let Some(halved) = &halved {
         join_halves(&whole.params(), halved, dtype, false, stream)?;
     }
@@ -120,6 +129,12 @@ pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
         halve(&whole.params(), halved, dtype, true, stream)?;
         run = run.halve_state(halved);
     }
+    let before_heads = run;
+    let padded = (ws.heads.headdim != p.headdim).then(|| PaddedHeads::carve(&before_heads, &ws.heads, at(ws.heads_at)));
+    if let Some(padded) = &padded {
+        widen_heads(&before_heads.params(), padded, dtype, true, stream)?;
+        run = run.pad_heads(padded);
+    }
     let split = (ws.split.ways > 1).then(|| SplitHeadsParams::carve(&run, &ws.split, at(ws.split_at), true));
     if let Some(split) = &split {
         split_heads("expand", split, dtype, stream)?;
@@ -128,6 +143,9 @@ pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
     ssd_mma::bwd(&run, &plan::mma_shape(&shape), at(ws.kernels_at), stream)?;
     if let Some(split) = &split {
         split_heads("fold", split, dtype, stream)?;
+    }
+    if let Some(padded) = &padded {
+        narrow_heads(&before_heads.params(), padded, dtype, true, stream)?;
     }
     if let Some(halved) = &halved {
         join_halves(&whole.params(), halved, dtype, true, stream)?;
@@ -234,21 +252,21 @@ fn halve(q: &SsdBwdParams, h: &HalvedState, dtype: DType, backward: bool, stream
     let (ep, d_inner) = (sz.e * sz.p, if p.d_per_channel != 0 { sz.e * sz.p } else { sz.e });
     let repeat = |rows: i64, inner: i64| ([rows, 2, 1, inner], [inner, 0, 0, 1]);
     for (src, dst) in [(p.x, h.x), (p.z, h.z)] {
-        gather(src, dst, repeat(sz.step_rows, ep), 0, 0, dtype, stream)?;
+        gather(moved(src, dst, repeat(sz.step_rows, ep)), dtype, stream)?;
     }
-    gather(p.dt, h.dt, repeat(sz.step_rows, sz.e), 0, 0, dtype, stream)?;
-    gather(p.a.cast(), h.a.cast(), repeat(sz.groups, sz.e), 0, 0, DType::F32, stream)?;
-    gather(p.dt_bias.cast(), h.dt_bias.cast(), repeat(sz.groups, sz.e), 0, 0, DType::F32, stream)?;
-    gather(p.d.cast(), h.d.cast(), repeat(sz.groups, d_inner), 0, 1, DType::F32, stream)?;
+    gather(moved(p.dt, h.dt, repeat(sz.step_rows, sz.e)), dtype, stream)?;
+    gather(moved(p.a.cast(), h.a.cast(), repeat(sz.groups, sz.e)), DType::F32, stream)?;
+    gather(moved(p.dt_bias.cast(), h.dt_bias.cast(), repeat(sz.groups, sz.e)), DType::F32, stream)?;
+    gather(Gather { zero_from: 1, ..moved(p.d.cast(), h.d.cast(), repeat(sz.groups, d_inner)) }, DType::F32, stream)?;
     // A state's (o, inner, half, m) to (o, half, inner, m).
     let split = |rows: i64, inner: i64| ([rows, 2, inner, sz.n], [inner * 2 * sz.n, sz.n, 2 * sz.n, 1]);
     let states = split(sz.state_rows * sz.groups, ep);
-    gather(p.initial_states.cast(), h.initial_states.cast(), states, 0, 0, DType::F32, stream)?;
+    gather(moved(p.initial_states.cast(), h.initial_states.cast(), states), DType::F32, stream)?;
     if backward {
-        gather(q.dy, h.dy, repeat(sz.step_rows, ep), 0, 0, dtype, stream)?;
-        gather(q.dfinal_states.cast(), h.dfinal_states.cast(), states, 0, 0, DType::F32, stream)?;
+        gather(moved(q.dy, h.dy, repeat(sz.step_rows, ep)), dtype, stream)?;
+        gather(moved(q.dfinal_states.cast(), h.dfinal_states.cast(), states), DType::F32, stream)?;
         let chunks = split(sz.batch * sz.groups, ep * sz.n_chunks);
-        gather(p.chunk_states, h.chunk_states, chunks, 0, 0, dtype, stream)?;
+        gather(moved(p.chunk_states, h.chunk_states, chunks), dtype, stream)?;
     }
     Ok(())
 }
@@ -265,42 +283,98 @@ fn join_halves(q: &SsdBwdParams, h: &HalvedState, dtype: DType, backward: bool, 
     let join = |rows: i64, inner: i64| ([rows, inner, 2, sz.n], [2 * inner * sz.n, sz.n, inner * sz.n, 1]);
     let states = join(sz.state_rows * sz.groups, ep);
     if !backward {
-        gather(h.y, p.y, first(sz.step_rows, ep), ep, 0, dtype, stream)?;
-        gather(h.final_states.cast(), p.final_states.cast(), states, 0, 0, DType::F32, stream)?;
+        gather(Gather { second: ep, ..moved(h.y, p.y, first(sz.step_rows, ep)) }, dtype, stream)?;
+        gather(moved(h.final_states.cast(), p.final_states.cast(), states), DType::F32, stream)?;
         let chunks = join(sz.batch * sz.groups, ep * sz.n_chunks);
-        return gather(h.chunk_states, p.chunk_states, chunks, 0, 0, dtype, stream);
+        return gather(moved(h.chunk_states, p.chunk_states, chunks), dtype, stream);
     }
     for (src, dst) in [(h.dx, q.dx), (h.dz, q.dz)] {
-        gather(src, dst, first(sz.step_rows, ep), ep, 0, dtype, stream)?;
+        gather(Gather { second: ep, ..moved(src, dst, first(sz.step_rows, ep)) }, dtype, stream)?;
     }
-    gather(h.ddt, q.ddt, first(sz.step_rows, sz.e), sz.e, 0, dtype, stream)?;
-    gather(h.da.cast(), q.da.cast(), first(sz.groups, sz.e), sz.e, 0, DType::F32, stream)?;
-    gather(h.ddt_bias.cast(), q.ddt_bias.cast(), first(sz.groups, sz.e), sz.e, 0, DType::F32, stream)?;
-    gather(h.dd.cast(), q.dd.cast(), first(sz.groups, d_inner), 0, 0, DType::F32, stream)?;
-    gather(h.dinitial_states.cast(), q.dinitial_states.cast(), states, 0, 0, DType::F32, stream)
+    gather(Gather { second: sz.e, ..moved(h.ddt, q.ddt, first(sz.step_rows, sz.e)) }, dtype, stream)?;
+    gather(Gather { second: sz.e, ..moved(h.da.cast(), q.da.cast(), first(sz.groups, sz.e)) }, DType::F32, stream)?;
+    gather(
+        Gather { second: sz.e, ..moved(h.ddt_bias.cast(), q.ddt_bias.cast(), first(sz.groups, sz.e)) },
+        DType::F32,
+        stream,
+    )?;
+    gather(moved(h.dd.cast(), q.dd.cast(), first(sz.groups, d_inner)), DType::F32, stream)?;
+    gather(moved(h.dinitial_states.cast(), q.dinitial_states.cast(), states), DType::F32, stream)
 }
 
-/// One `gather` (kernels/ssd_glue.cu) of `(dims, strides)`; nothing where either array is null.
-fn gather(
-    src: *const c_void,
-    dst: *mut c_void,
-    (dims, strides): ([i64; 4], [i64; 4]),
-    second: i64,
-    zero_from: i64,
+/// The call's per-channel arrays widened into `padded`'s rows of `padded.headdim` channels (zeros
+/// past the call's headdim): x, z, a per-channel D and the initial states, and in the backward dy,
+/// dfinal_states and the forward's chunk states.
+fn widen_heads(
+    q: &SsdBwdParams,
+    padded: &PaddedHeads,
     dtype: DType,
+    backward: bool,
     stream: *mut c_void,
 ) -> Result<()> {
-    let rows = dims[0] * dims[1] * dims[2];
-    if src.is_null() || dst.is_null() || rows * dims[3] == 0 {
+    let p = &q.fwd;
+    let (from, to, n, chunk_n) = (p.headdim, padded.headdim, p.dstate, p.n_chunks() * p.dstate);
+    let (step_rows, state_rows, chunk_rows) = (p.rows(), p.state_rows() * p.heads, p.batch * p.heads);
+    let widen = |src: *const c_void, dst: *mut c_void, rows: i64, unit: i64, dtype: DType| {
+        let g = Gather { dst_cols: to * unit, ..moved(src, dst, ([rows, 1, 1, from * unit], [from * unit, 0, 0, 1])) };
+        gather(g, dtype, stream)
+    };
+    widen(p.x, padded.x, step_rows, 1, dtype)?;
+    widen(p.z, padded.z, step_rows, 1, dtype)?;
+    widen(p.d.cast(), padded.d.cast(), p.heads, 1, DType::F32)?;
+    widen(p.initial_states.cast(), padded.initial_states.cast(), state_rows, n, DType::F32)?;
+    if backward {
+        widen(q.dy, padded.dy, step_rows, 1, dtype)?;
+        widen(q.dfinal_states.cast(), padded.dfinal_states.cast(), state_rows, n, DType::F32)?;
+        widen(p.chunk_states, padded.chunk_states, chunk_rows, chunk_n, dtype)?;
+    }
+    Ok(())
+}
+
+/// The call's results narrowed from `padded`'s: y, the final states and chunk states, or in the
+/// backward dx, dz, a per-channel dD and dinitial_states.
+fn narrow_heads(
+    q: &SsdBwdParams,
+    padded: &PaddedHeads,
+    dtype: DType,
+    backward: bool,
+    stream: *mut c_void,
+) -> Result<()> {
+    let p = &q.fwd;
+    let (to, from, n, chunk_n) = (p.headdim, padded.headdim, p.dstate, p.n_chunks() * p.dstate);
+    let (step_rows, state_rows, chunk_rows) = (p.rows(), p.state_rows() * p.heads, p.batch * p.heads);
+    let narrow = |src: *mut c_void, dst: *mut c_void, rows: i64, unit: i64, dtype: DType| {
+        gather(moved(src, dst, ([rows, 1, 1, to * unit], [from * unit, 0, 0, 1])), dtype, stream)
+    };
+    if !backward {
+        narrow(padded.y, p.y, step_rows, 1, dtype)?;
+        narrow(padded.final_states.cast(), p.final_states.cast(), state_rows, n, DType::F32)?;
+        return narrow(padded.chunk_states, p.chunk_states, chunk_rows, chunk_n, dtype);
+    }
+    narrow(padded.dx, q.dx, step_rows, 1, dtype)?;
+    narrow(padded.dz, q.dz, step_rows, 1, dtype)?;
+    narrow(padded.dd.cast(), q.dd.cast(), p.heads, 1, DType::F32)?;
+    narrow(padded.dinitial_states.cast(), q.dinitial_states.cast(), state_rows, n, DType::F32)
+}
+
+/// A plain strided copy of `(dims, strides)` from `src` into dense `dst` ([`Gather`]).
+fn moved(src: *const c_void, dst: *mut c_void, (dims, strides): ([i64; 4], [i64; 4])) -> Gather {
+    Gather { src, dst, dims, strides, second: 0, zero_from: 0, dst_cols: 0 }
+}
+
+/// One `gather` (kernels/ssd_glue.cu); nothing where either array is null.
+fn gather(g: Gather, dtype: DType, stream: *mut c_void) -> Result<()> {
+    let rows = g.dims[0] * g.dims[1] * g.dims[2];
+    if g.src.is_null() || g.dst.is_null() || rows * g.dims[3] == 0 {
         return Ok(());
     }
     let warps_per_block = (THREADS / 32) as u64;
     let blocks = (rows as u64).div_ceil(warps_per_block).min(MAX_BLOCKS);
     let config = LaunchConfig { grid: (blocks, 1, 1), block: THREADS, shared_bytes: 0 };
-    let g = Gather { src, dst, dims, strides, second, zero_from };
-    // SAFETY: `src` holds every element the strides reach and `dst` dims' product: the call's
-    // validated arrays and the workspace's (plan::StateHalves), which `workspace_at` checked holds
-    // them; HalfSizes' sizes are those arrays' shapes.
+    // SAFETY: `src` holds every element the strides reach and `dst` the rows of max(dst_cols,
+    // dims[3]) elements: the call's validated arrays and the workspace's (plan::StateHalves,
+    // plan::PadHeads), which `workspace_at` checked holds them; the callers' sizes are those arrays'
+    // shapes.
     unsafe { launch(stream, MODULE, &kernels::ssd_glue("gather", dtype), config, &g) }
 }
 

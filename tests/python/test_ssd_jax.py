@@ -178,12 +178,13 @@ def test_grad(groups, d, softplus, limit, dtype):
 
 
 def test_chunk_states_in_dtype_at_tensor_core_shapes():
-    """Where the CUDA tensor-core kernels run (bf16/f16, headdim a multiple of 64, dstate up to 256,
+    """Where the CUDA tensor-core kernels run (bf16/f16, headdim at least 32, dstate up to 256,
     chunk_size 64..256) the forward saves chunk_states in x's dtype on every platform (half the
     memory of f32), elsewhere in f32; the gradients hold either way."""
     static = dict(chunk_size=64, dt_softplus=True)
     cases = [(BF16, 64, 64, BF16), (F16, 64, 64, F16), (BF16, 128, 64, BF16), (BF16, 64, 16, BF16)]
-    cases += [(BF16, 64, 256, BF16), (F16, 64, 200, F16), (BF16, 16, 64, F32), (F32, 64, 64, F32)]
+    cases += [(BF16, 64, 256, BF16), (F16, 64, 200, F16), (BF16, 32, 64, BF16), (BF16, 16, 64, F32)]
+    cases += [(F32, 64, 64, F32)]
     for dtype, headdim, dstate, want in cases:
         kw = make_case(6, 1, 150, 2, headdim, dstate, dtype=dtype)
         _, vjp_fn = jax.vjp(lambda a: xla_ssm.ssd(**a, **static), kw)
@@ -375,6 +376,7 @@ def test_packed_forward(dtype):
     ([0, 70, 1, 129, 0], 64, 64, 64),
     ([3, 0, 3, 3, 64, 3, 40, 3], 128, 128, 64),  # several boundaries in a tile (few lengths: few compiles)
     ([0, 70, 1, 129, 0], 64, 256, 128),  # a state of two halves
+    ([0, 70, 1, 129, 0], 32, 64, 64),  # heads widened to 64
 ])
 def test_packed_tensor_core_shape(lens, headdim, dstate, chunk):
     """bf16 at the CUDA tensor-core shapes: chunk_states in bf16; there the forward of a packed call

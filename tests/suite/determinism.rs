@@ -306,6 +306,9 @@ fn ssd_problems() -> Vec<SsdProblem> {
             true,
         ),
         (SsdCase { dtype: Dt::BF16, groups: 4, ..SsdCase::new(6, 128, 48, 64, 64).all_optional() }, false),
+        // Heads widened to 64 (plan::PadHeads), a state of two halves (plan::StateHalves).
+        (SsdCase { dtype: Dt::BF16, chunk_size: 128, ..SsdCase::new(1, 500, 6, 32, 16).all_optional() }, true),
+        (SsdCase { dtype: Dt::F16, ..SsdCase::new(2, 300, 2, 64, 256).all_optional() }, true),
     ];
     for (c, split) in &tensor_cores {
         assert!(c.tensor_cores(), "{c:?}");
@@ -313,7 +316,7 @@ fn ssd_problems() -> Vec<SsdProblem> {
     }
     let generic = [
         SsdCase { groups: 2, d: DForm::PerChannel, dt_limit: CLAMP, ..SsdCase::new(2, 300, 4, 16, 32).all_optional() },
-        SsdCase { dtype: Dt::BF16, chunk_size: 128, ..SsdCase::new(1, 500, 6, 32, 16).all_optional() },
+        SsdCase { dtype: Dt::BF16, chunk_size: 128, ..SsdCase::new(1, 500, 6, 16, 16).all_optional() },
     ];
     for c in &generic {
         assert!(!c.tensor_cores(), "{c:?}");

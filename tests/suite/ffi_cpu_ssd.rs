@@ -503,7 +503,7 @@ fn workspace_bytes() {
 #[test]
 fn chunk_states_dtype() {
     for dtype in [Dt::F32, Dt::BF16, Dt::F16] {
-        for headdim in [16, 64, 80, 128, 192] {
+        for headdim in [16, 31, 32, 48, 64, 80, 128, 192] {
             for dstate in [1, 16, 64, 100, 128, 129, 256] {
                 for chunk_size in [32, 64, 128, 256] {
                     let case = SsdCase { dtype, chunk_size, ..SsdCase::new(1, 1, 1, headdim, dstate) };
@@ -517,7 +517,9 @@ fn chunk_states_dtype() {
     assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 128, 256, XLA_SSM_BF16), XLA_SSM_BF16);
     assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 128, 32, XLA_SSM_BF16), XLA_SSM_F32, "half a tile");
     assert_eq!(xla_ssm_ssd_chunk_states_dtype(128, 128, 256, XLA_SSM_BF16), XLA_SSM_BF16, "two heads of 64 a head");
-    assert_eq!(xla_ssm_ssd_chunk_states_dtype(96, 128, 256, XLA_SSM_BF16), XLA_SSM_F32, "a head and a half");
+    assert_eq!(xla_ssm_ssd_chunk_states_dtype(96, 128, 256, XLA_SSM_BF16), XLA_SSM_BF16, "widened to 128");
+    assert_eq!(xla_ssm_ssd_chunk_states_dtype(32, 128, 256, XLA_SSM_BF16), XLA_SSM_BF16, "widened to 64");
+    assert_eq!(xla_ssm_ssd_chunk_states_dtype(31, 128, 256, XLA_SSM_BF16), XLA_SSM_F32, "narrower than 32");
     assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 16, 256, XLA_SSM_BF16), XLA_SSM_BF16, "a state widened to 64");
     assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 256, 256, XLA_SSM_BF16), XLA_SSM_BF16, "two halves of 128");
     assert_eq!(xla_ssm_ssd_chunk_states_dtype(64, 200, 64, XLA_SSM_F16), XLA_SSM_F16, "widened to two halves");

@@ -186,11 +186,12 @@ fn large_shapes() {
     roundtrip_all("large", &cases);
 }
 
-/// The tensor-core kernels (bf16/f16, headdim a multiple of 64, dstate up to 256, chunks of whole
-/// 64-step tiles): odd lengths, groups, both forms of D, the clamp, z (the backward recomputes y
-/// before the gate, split as far as its records fit), the sequence splits of both passes (few
-/// batch x heads: up to one part per 64-step tile forward, per chunk backward), both ways to dB and
-/// dC, heads of 128 to 256 channels, dstates of 1 to 100 (widened), and 200 and 256 (two halves).
+/// The tensor-core kernels (bf16/f16, headdim at least 32, dstate up to 256, chunks of whole 64-step
+/// tiles): odd lengths, groups, both forms of D, the clamp, z (the backward recomputes y before the
+/// gate, split as far as its records fit), the sequence splits of both passes (few batch x heads: up
+/// to one part per 64-step tile forward, per chunk backward), both ways to dB and dC, heads of 128 to
+/// 256 channels, heads of 32 to 96 (widened), dstates of 1 to 100 (widened), and 200 and 256 (two
+/// halves).
 #[test]
 #[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
 fn tensor_core_paths() {
@@ -256,9 +257,20 @@ fn tensor_core_paths() {
         (1, 1, 1, 64, 129, 1, 64, Dt::F16, DForm::PerChannel, true, false),
         (2, 4100, 32, 64, 256, 1, 256, Dt::BF16, DForm::PerChannel, true, false),
     ];
+    // headdims not a multiple of 64 widened to the next with zero channels (plan::PadHeads): alone,
+    // then split, with a widened state, with two halves; through the head sums (32 heads a group).
+    let narrow: [Row; 6] = [
+        (2, 333, 4, 32, 128, 2, 64, Dt::BF16, DForm::PerChannel, true, false),
+        (1, 700, 2, 48, 64, 1, 128, Dt::F16, DForm::PerHead, false, true),
+        (3, 130, 3, 96, 128, 3, 64, Dt::BF16, DForm::PerChannel, true, true),
+        (2, 500, 4, 40, 16, 1, 256, Dt::F16, DForm::None, false, false),
+        (1, 1087, 8, 32, 256, 2, 256, Dt::BF16, DForm::PerChannel, true, false),
+        (2, 8100, 32, 32, 128, 1, 256, Dt::BF16, DForm::PerHead, false, false),
+    ];
     let mut cases: Vec<SsdCase> = heads_of_64.iter().enumerate().map(|(k, r)| case(700 + k as u64, r)).collect();
     cases.extend(other.iter().enumerate().map(|(k, r)| case(800 + k as u64, r)));
     cases.extend(halves.iter().enumerate().map(|(k, r)| case(900 + k as u64, r)));
+    cases.extend(narrow.iter().enumerate().map(|(k, r)| case(1000 + k as u64, r)));
     roundtrip_all("tensor cores", &cases);
 }
 
@@ -282,8 +294,8 @@ fn packed_chunk0_zeroed(case: &SsdCase, mut out: FwdOut) -> FwdOut {
 /// backward with states on the generic path, chunk_states in T through an f32 copy in the workspace,
 /// and without on the tensor-core kernels, their decays cut at the boundaries): random
 /// boundaries with empty and length-1 sequences off the chunk grid, sequences a few steps long (many
-/// boundaries in a tile), split heads (headdim 128), widened states (dstate 16, 100) and states of
-/// two halves (200, 256). A workspace one byte short of the packed size is refused.
+/// boundaries in a tile), split heads (headdim 128), widened heads (32, 96), widened states (dstate
+/// 16, 100) and states of two halves (200, 256). A workspace one byte short of the packed size is refused.
 #[test]
 #[ignore = "needs a CUDA device (scripts/gpu-run.sh runs the ignored tests)"]
 fn packed_matches_host() {
@@ -357,6 +369,13 @@ fn packed_matches_host() {
             700,
         ),
         (SsdCase { dtype: Dt::BF16, chunk_size: 256, ..SsdCase::new(1, 0, 2, 64, 16) }, 2500, 300),
+        // Heads of 32 widened to 64 (plan::PadHeads), with states and without.
+        (SsdCase { dtype: Dt::BF16, chunk_size: 64, ..SsdCase::new(1, 0, 3, 32, 64).all_optional() }, 1000, 200),
+        (
+            SsdCase { dtype: Dt::F16, has_initial_states: false, ..SsdCase::new(1, 0, 2, 96, 128).all_optional() },
+            1500,
+            40,
+        ),
         // A state of two halves (plan::StateHalves): their states a row per sequence, with states
         // (the generic backward) and without.
         (SsdCase { dtype: Dt::BF16, chunk_size: 128, ..SsdCase::new(1, 0, 2, 64, 256).all_optional() }, 1500, 300),

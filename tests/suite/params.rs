@@ -13,7 +13,9 @@ use xla_ssm::ops::mamba_decode::DecodeParams;
 use xla_ssm::ops::selective_scan::carry::CarryParams;
 use xla_ssm::ops::selective_scan::{BwdParams, BwdReduceParams, FwdParams};
 use xla_ssm::ops::ssd::plan::MmaFwdSplit;
-use xla_ssm::ops::ssd::{BwdMmaParams, FwdMmaParams, GlueParams, PadRows, SplitHeadsParams, SsdBwdParams, SsdParams};
+use xla_ssm::ops::ssd::{
+    BwdMmaParams, FwdMmaParams, Gather, GlueParams, PadRows, SplitHeadsParams, SsdBwdParams, SsdParams,
+};
 use xla_ssm::ops::state_update::UpdateParams;
 
 /// The header as of this test's build (the test needs no source tree to run).
@@ -109,6 +111,7 @@ fn rust_layouts() -> Vec<Layout> {
             q, ways, dt, a => "A", d => "D", dt_bias, ddt, da => "dA", dd => "dD", ddt_bias,
         }
         PadRows => "SsdPadRows" { src, dst, rows, from, to }
+        Gather => "SsdGather" { src, dst, dims, strides, second, zero_from, dst_cols }
         MmaFwdSplit => "FwdSplit" { tiles_per_part, n_parts, records_per_part }
         FwdMmaParams => "SsdMmaParams" { p, split, scalars_in_y }
         BwdMmaParams => "SsdBwdMmaParams" {
@@ -133,7 +136,8 @@ fn header_structs() -> BTreeMap<String, Vec<String>> {
         } else if let (Some((_, fields)), Some(decl)) = (current.as_mut(), line.strip_suffix(';')) {
             if !line.starts_with("//") {
                 let name = decl.rsplit([' ', '*']).next().unwrap_or(decl);
-                fields.push(name.to_string());
+                // An array's name without its extent (`dims[4]`): sizeof checks the extent.
+                fields.push(name.split('[').next().unwrap_or(name).to_string());
             }
         }
     }

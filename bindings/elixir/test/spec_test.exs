@@ -565,7 +565,7 @@ defmodule XlaSsm.SpecTest do
       assert Workspace.ssd_fwd_bytes(2, 100, 0, 16, 16, 1, 64, {:f, 32}) == 0
 
       assert Workspace.ssd_bwd_bytes(8, 2048, 64, 64, 128, 1, 256, {:bf, 16}) <
-               Workspace.ssd_bwd_bytes(8, 2048, 64, 48, 128, 1, 256, {:bf, 16}) / 10
+               Workspace.ssd_bwd_bytes(8, 2048, 256, 16, 128, 1, 256, {:bf, 16}) / 10
 
       # Heads of 128 and 192 as 64-wide split heads: dt, A, D and dt_bias per split head ahead of
       # the kernels' arrays (the C API's figures, tests/suite/ffi_cpu_ssd.rs).
@@ -599,9 +599,10 @@ defmodule XlaSsm.SpecTest do
       assert Workspace.ssd_chunk_states_type(64, 64, 64, {:bf, 16}) == {:bf, 16}
       assert Workspace.ssd_chunk_states_type(64, 128, 256, {:f, 16}) == {:f, 16}
       assert Workspace.ssd_chunk_states_type(64, 64, 32, {:bf, 16}) == {:f, 32}
-      assert Workspace.ssd_chunk_states_type(48, 64, 64, {:bf, 16}) == {:f, 32}
+      assert Workspace.ssd_chunk_states_type(48, 64, 64, {:bf, 16}) == {:bf, 16}
+      assert Workspace.ssd_chunk_states_type(31, 64, 64, {:bf, 16}) == {:f, 32}
       assert Workspace.ssd_chunk_states_type(128, 128, 256, {:bf, 16}) == {:bf, 16}
-      assert Workspace.ssd_chunk_states_type(96, 128, 256, {:bf, 16}) == {:f, 32}
+      assert Workspace.ssd_chunk_states_type(96, 128, 256, {:bf, 16}) == {:bf, 16}
       assert Workspace.ssd_chunk_states_type(64, 16, 256, {:bf, 16}) == {:bf, 16}
       assert Workspace.ssd_chunk_states_type(64, 256, 256, {:bf, 16}) == {:bf, 16}
       assert Workspace.ssd_chunk_states_type(64, 200, 128, {:f, 16}) == {:f, 16}

@@ -278,11 +278,12 @@ pub struct PadRows {
     pub to: i64,
 }
 
-/// A strided copy (kernels/ssd_glue.cu, `gather`): element (i0, i1, i2, i3) of the dense `dst` of
-/// `dims` is the element of `src` at sum(i_k * strides[k]), plus, where `second` is not 0, the one
-/// `second` elements past it (the sum of two halves, in f32, rounded once). Where `zero_from` is not
-/// 0, elements with i1 >= zero_from are zero instead. Moves arrays to and from a call's
-/// [`plan::StateHalves`]; generated into kernels/params.h as `SsdGather`.
+/// A strided copy (kernels/ssd_glue.cu, `gather`): element (i0, i1, i2, i3) of `dst`, rows of
+/// `dst_cols` elements (at least dims[3]) after `dims`' first three, is the element of `src` at
+/// sum(i_k * strides[k]), plus, where `second` is not 0, the one `second` elements past it (the sum
+/// of two halves, in f32, rounded once). Elements past dims[3] in a row, and where `zero_from` is not
+/// 0 those with i1 >= zero_from, are zero. Moves arrays to and from the calls of
+/// [`plan::StateHalves`] and [`plan::PadHeads`]; generated into kernels/params.h as `SsdGather`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct Gather {
@@ -292,6 +293,65 @@ pub struct Gather {
     pub strides: [i64; 4],
     pub second: i64,
     pub zero_from: i64,
+    pub dst_cols: i64,
+}
+
+/// Where a stage keeps its copy of an array: `offset` bytes past the workspace's aligned start
+/// `base`, or null where the caller has no such array.
+fn in_workspace(callers: *const c_void, base: *mut u8, offset: i64) -> *mut c_void {
+    if callers.is_null() {
+        std::ptr::null_mut()
+    } else {
+        base.wrapping_add(offset as usize) as *mut c_void
+    }
+}
+
+/// The arrays of a [`plan::PadHeads`] in a workspace: where the tensor-core kernels read and write a
+/// call's arrays with its heads widened (null where the call has no such array, and D where it is
+/// per head).
+#[derive(Debug, Clone, Copy)]
+pub struct PaddedHeads {
+    pub headdim: i64,
+    pub x: *mut c_void,
+    pub z: *mut c_void,
+    pub y: *mut c_void,
+    pub dy: *mut c_void,
+    pub dx: *mut c_void,
+    pub dz: *mut c_void,
+    pub d: *mut f32,
+    pub dd: *mut f32,
+    pub initial_states: *mut f32,
+    pub final_states: *mut f32,
+    pub dinitial_states: *mut f32,
+    pub dfinal_states: *mut f32,
+    pub chunk_states: *mut c_void,
+}
+
+impl PaddedHeads {
+    /// The arrays of `layout` in the workspace at `base` (its aligned start) that `bwd` (a forward:
+    /// [`Ssd::as_bwd`]) has.
+    pub fn carve(bwd: &SsdBwd, layout: &plan::PadHeads, base: *mut u8) -> PaddedHeads {
+        let q = &bwd.params;
+        let p = &q.fwd;
+        let at = |callers: *const c_void, offset: i64| in_workspace(callers, base, offset);
+        let per_channel = |d: *const f32| if p.d_per_channel != 0 { d } else { std::ptr::null() };
+        PaddedHeads {
+            headdim: layout.headdim,
+            x: at(p.x, layout.x),
+            z: at(p.z, layout.z),
+            y: at(p.y, layout.y),
+            dy: at(q.dy, layout.dy),
+            dx: at(q.dx, layout.dx),
+            dz: at(q.dz, layout.dz),
+            d: at(per_channel(p.d).cast(), layout.d).cast(),
+            dd: at(per_channel(q.dd).cast(), layout.dd).cast(),
+            initial_states: at(p.initial_states.cast(), layout.initial_states).cast(),
+            final_states: at(p.final_states.cast(), layout.final_states).cast(),
+            dinitial_states: at(q.dinitial_states.cast(), layout.dinitial_states).cast(),
+            dfinal_states: at(q.dfinal_states.cast(), layout.dfinal_states).cast(),
+            chunk_states: at(p.chunk_states, layout.chunk_states),
+        }
+    }
 }
 
 /// The arrays of a [`plan::StateHalves`] in a workspace: where the tensor-core kernels read and write
@@ -326,13 +386,7 @@ impl HalvedState {
     pub fn carve(bwd: &SsdBwd, layout: &plan::StateHalves, base: *mut u8) -> HalvedState {
         let q = &bwd.params;
         let p = &q.fwd;
-        let at = |callers: *const c_void, offset: i64| {
-            if callers.is_null() {
-                std::ptr::null_mut()
-            } else {
-                base.wrapping_add(offset as usize) as *mut c_void
-            }
-        };
+        let at = |callers: *const c_void, offset: i64| in_workspace(callers, base, offset);
         HalvedState {
             x: at(p.x, layout.x),
             z: at(p.z, layout.z),
@@ -379,13 +433,7 @@ impl PaddedState {
     pub fn carve(bwd: &SsdBwd, layout: &plan::PadState, base: *mut u8) -> PaddedState {
         let q = &bwd.params;
         let p = &q.fwd;
-        let at = |callers: *const c_void, offset: i64| {
-            if callers.is_null() {
-                std::ptr::null_mut()
-            } else {
-                base.wrapping_add(offset as usize) as *mut c_void
-            }
-        };
+        let at = |callers: *const c_void, offset: i64| in_workspace(callers, base, offset);
         PaddedState {
             dstate: layout.dstate,
             b: at(p.b, layout.b),
@@ -704,6 +752,36 @@ impl SsdBwd {
         SsdBwd { params, ..*self }
     }
 
+    /// This call with its heads widened to `padded.headdim` channels ([`plan::PadHeads`]): its
+    /// per-channel arrays are `padded`'s (a per-head D and its gradient stay the caller's).
+    pub fn pad_heads(&self, padded: &PaddedHeads) -> SsdBwd {
+        let q = &self.params;
+        let p = &q.fwd;
+        let or_callers = |padded: *mut f32, callers: *const f32| if padded.is_null() { callers } else { padded };
+        let fwd = SsdParams {
+            x: padded.x,
+            z: padded.z,
+            y: padded.y,
+            d: or_callers(padded.d, p.d),
+            initial_states: padded.initial_states,
+            final_states: padded.final_states,
+            chunk_states: padded.chunk_states,
+            headdim: padded.headdim,
+            ..*p
+        };
+        let params = SsdBwdParams {
+            fwd,
+            dy: padded.dy,
+            dfinal_states: padded.dfinal_states,
+            dx: padded.dx,
+            dd: or_callers(padded.dd, q.dd) as *mut f32,
+            dz: padded.dz,
+            dinitial_states: padded.dinitial_states,
+            ..*q
+        };
+        SsdBwd { params, ..*self }
+    }
+
     /// This call on a state widened to `pad.dstate`: its state-sized arrays are `pad`'s.
     pub fn pad_state(&self, pad: &PaddedState) -> SsdBwd {
         let q = &self.params;
@@ -737,6 +815,11 @@ impl Ssd {
     /// The forward as [`SsdBwd::halve_state`] views it.
     pub fn halve_state(&self, halved: &HalvedState) -> Ssd {
         Ssd { params: self.as_bwd().halve_state(halved).params.fwd, ..*self }
+    }
+
+    /// The forward as [`SsdBwd::pad_heads`] views it.
+    pub fn pad_heads(&self, padded: &PaddedHeads) -> Ssd {
+        Ssd { params: self.as_bwd().pad_heads(padded).params.fwd, ..*self }
     }
 
     /// The forward as [`SsdBwd::split_heads`] views it.
@@ -1013,7 +1096,7 @@ fn expect_chunk_states(op: &str, kind: &str, t: &Tensor, k: &Checked) -> Result<
     let why = if want == DType::F32 {
         "f32 unless the tensor-core kernels run"
     } else {
-        "the inputs' dtype where the tensor-core kernels run (bf16/f16, headdim a multiple of 64, \
+        "the inputs' dtype where the tensor-core kernels run (bf16/f16, headdim at least 32, \
          dstate 1 to 256, chunk_size 64, 128 or 256)"
     };
     Err(Error::invalid(format!(

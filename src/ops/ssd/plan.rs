@@ -219,16 +219,25 @@ pub const MMA_DSTATES: [i64; 2] = [64, 128];
 /// two halves of it ([`StateHalves`]).
 pub const MMA_MAX_DSTATE: i64 = 256;
 
+/// The narrowest head the tensor-core path widens ([`PadHeads`]): up to half of what it computes
+/// is zeros, where the generic path runs 4-10x slower.
+pub const MMA_MIN_HEADDIM: i64 = 32;
+
 /// Whether the tensor-core kernels take a call of this shape: 2-byte elements (bf16, f16),
-/// headdim a multiple of 64, dstate 1 to 256, chunks of whole tiles (its chunk states are written
-/// per tile). Depends on nothing else (not on batch, seqlen, heads or groups, which sharding splits).
+/// headdim at least 32, dstate 1 to 256, chunks of whole tiles (its chunk states are written per
+/// tile). Depends on nothing else (not on batch, seqlen, heads or groups, which sharding splits).
 pub fn mma_applies(s: &Shape) -> bool {
     s.elem_bytes == 2
-        && s.headdim > 0
-        && s.headdim % MMA_HEADDIM == 0
+        && mma_headdim(s.headdim).is_some()
         && mma_dstate(s.dstate).is_some()
         && s.chunk_size % MMA_TILE == 0
         && s.chunk_size <= MMA_MAX_CHUNK
+}
+
+/// The width the tensor-core path widens a call's heads to ([`PadHeads`]): the next multiple of 64
+/// from 32 channels.
+pub fn mma_headdim(headdim: i64) -> Option<i64> {
+    (headdim >= MMA_MIN_HEADDIM).then(|| (headdim + MMA_HEADDIM - 1) / MMA_HEADDIM * MMA_HEADDIM)
 }
 
 /// The width the tensor-core path widens a call's state to ([`PadState`]): the smallest instance that
@@ -247,27 +256,38 @@ pub fn state_halves(dstate: i64) -> i64 {
 }
 
 /// The shape the tensor-core kernels run: the state widened to the kernels' dstate ([`PadState`]),
-/// a state of two halves as twice the groups and heads ([`StateHalves`]), and each head as `headdim /
-/// 64` heads of 64 channels ([`SplitHeads`]). A head's channels are independent given its dt, A, B
-/// and C, and x, z, y, the states and their gradients keep their bytes ((heads, headdim) = (heads *
-/// ways, 64)); only the per-head operands are repeated. A state widened with zero columns of B and
-/// C stays zero there and adds nothing to y.
+/// a state of two halves as twice the groups and heads ([`StateHalves`]), heads widened to a
+/// multiple of 64 channels ([`PadHeads`]), and each head as `headdim / 64` heads of 64 channels
+/// ([`SplitHeads`]). A head's channels are independent given its dt, A, B and C, and x, z, y, the
+/// states and their gradients keep their bytes ((heads, headdim) = (heads * ways, 64)); only the
+/// per-head operands are repeated. A state widened with zero columns of B and C stays zero there and
+/// adds nothing to y; channels widened with zero x stay zero and add nothing to the gradients.
 pub fn mma_shape(s: &Shape) -> Shape {
-    let ways = (s.headdim / MMA_HEADDIM).max(1);
+    let headdim = mma_headdim(s.headdim).unwrap_or(s.headdim);
+    let ways = (headdim / MMA_HEADDIM).max(1);
     let halves = state_halves(s.dstate);
     let dstate = mma_dstate(s.dstate).unwrap_or(s.dstate) / halves;
     let (heads, groups) = (s.heads * halves * ways, s.groups * halves);
-    Shape { heads, groups, headdim: s.headdim.min(MMA_HEADDIM), dstate, ..*s }
+    Shape { heads, groups, headdim: headdim.min(MMA_HEADDIM), dstate, ..*s }
+}
+
+/// The call [`PadHeads`] sees: its state widened ([`PadState`]) and halved ([`StateHalves`]).
+fn state_stage(s: &Shape) -> Shape {
+    let halves = state_halves(s.dstate);
+    let dstate = mma_dstate(s.dstate).unwrap_or(s.dstate) / halves;
+    Shape { heads: s.heads * halves, groups: s.groups * halves, dstate, ..*s }
 }
 
 /// The tensor-core path's workspace: [`PadState`]'s arrays, then [`StateHalves`]' (at
-/// `halves_at`), then [`SplitHeads`]' (at `split_at`), then the kernels' (at `kernels_at`: the
-/// forward's split records, or [`mma_bwd_layout`]).
+/// `halves_at`), then [`PadHeads`]' (at `heads_at`), then [`SplitHeads`]' (at `split_at`), then the
+/// kernels' (at `kernels_at`: the forward's split records, or [`mma_bwd_layout`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MmaWorkspace {
     pub pad: PadState,
     pub halves: StateHalves,
     pub halves_at: i64,
+    pub heads: PadHeads,
+    pub heads_at: i64,
     pub split: SplitHeads,
     pub split_at: i64,
     pub kernels_at: i64,
@@ -290,10 +310,13 @@ impl MmaWorkspace {
     fn with_state_rows(s: &Shape, state_rows: i64, backward: bool) -> MmaWorkspace {
         let pad = PadState::new(s, state_rows, backward);
         let halves = StateHalves::new(s, state_rows, backward);
-        // The split heads are those of the halved call.
-        let halved = Shape { heads: s.heads * halves.halves, ..*s };
-        let split = SplitHeads::new(&halved, backward);
-        let (halves_at, split_at) = (pad.bytes, pad.bytes + halves.bytes);
+        // The later stages see the call the earlier ones made.
+        let stage = state_stage(s);
+        let heads = PadHeads::new(&stage, state_rows, backward);
+        let split = SplitHeads::new(&Shape { headdim: heads.headdim, ..stage }, backward);
+        let halves_at = pad.bytes;
+        let heads_at = halves_at + halves.bytes;
+        let split_at = heads_at + heads.bytes;
         let kernels_at = split_at + split.bytes;
         let m = mma_shape(s);
         let kernels = if backward { mma_bwd_layout(&m).bytes } else { mma_fwd_bytes(&m) };
@@ -302,7 +325,18 @@ impl MmaWorkspace {
             (arrays, 0) => arrays + ALIGN,
             (arrays, kernels) => arrays + kernels,
         };
-        MmaWorkspace { pad, halves, halves_at, split, split_at, kernels_at, kernels_bytes: kernels, bytes }
+        MmaWorkspace {
+            pad,
+            halves,
+            halves_at,
+            heads,
+            heads_at,
+            split,
+            split_at,
+            kernels_at,
+            kernels_bytes: kernels,
+            bytes,
+        }
     }
 }
 
@@ -443,6 +477,77 @@ impl StateHalves {
             da,
             dd,
             ddt_bias,
+            initial_states,
+            final_states,
+            dinitial_states,
+            dfinal_states,
+            chunk_states,
+            bytes: c.next,
+        }
+    }
+}
+
+/// Where a call whose headdim is not a multiple of 64 keeps the arrays with a head's channels
+/// widened to [`mma_headdim`] with zeros (kernels/ssd_glue.cu, `gather`; offsets from
+/// [`MmaWorkspace`]'s `heads_at`), for the call [`StateHalves`] made: x, z, y and their gradients,
+/// a (heads, headdim) D and its gradient, the states and chunk_states. The added channels' x is
+/// zero, so their state, y and share of every sum stay zero; y, dx, dz, dD and the states are
+/// narrowed back. All empty (bytes 0) where headdim is a multiple of 64.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PadHeads {
+    /// The widened headdim.
+    pub headdim: i64,
+    /// (batch, seqlen, heads, headdim) T each: x, z and y; backward: z, dy, dx and dz (no y).
+    pub x: i64,
+    pub z: i64,
+    pub y: i64,
+    pub dy: i64,
+    pub dx: i64,
+    pub dz: i64,
+    /// (heads, headdim) f32: a D per channel; backward also its gradient.
+    pub d: i64,
+    pub dd: i64,
+    /// (state rows, heads, headdim, dstate) f32 each.
+    pub initial_states: i64,
+    pub final_states: i64,
+    pub dinitial_states: i64,
+    pub dfinal_states: i64,
+    /// (batch, heads, headdim, n_chunks, dstate) T.
+    pub chunk_states: i64,
+    /// The arrays' extent, a multiple of ALIGN.
+    pub bytes: i64,
+}
+
+impl PadHeads {
+    /// For `s` as [`PadState`] and [`StateHalves`] leave it.
+    pub fn new(s: &Shape, state_rows: i64, backward: bool) -> PadHeads {
+        let headdim = mma_headdim(s.headdim).unwrap_or(s.headdim);
+        if headdim == s.headdim {
+            return PadHeads { headdim, ..PadHeads::default() };
+        }
+        let n = s.dstate;
+        let per_step = s.batch * s.seqlen * s.heads * headdim * s.elem_bytes;
+        let d = s.heads * headdim * 4;
+        let states = state_rows * s.heads * headdim * n * 4;
+        let chunks = s.batch * s.heads * headdim * n_chunks(s.seqlen, s.chunk_size) * n * s.elem_bytes;
+        let (fwd_only, bwd_only) = (|b: i64| if backward { 0 } else { b }, |b: i64| if backward { b } else { 0 });
+        let mut c = Carver::default();
+        let (x, z, y) = (c.take(per_step), c.take(per_step), c.take(fwd_only(per_step)));
+        let (dy, dx, dz) = (c.take(bwd_only(per_step)), c.take(bwd_only(per_step)), c.take(bwd_only(per_step)));
+        let (d, dd) = (c.take(d), c.take(bwd_only(d)));
+        let (initial_states, final_states) = (c.take(states), c.take(fwd_only(states)));
+        let (dinitial_states, dfinal_states) = (c.take(bwd_only(states)), c.take(bwd_only(states)));
+        let chunk_states = c.take(chunks);
+        PadHeads {
+            headdim,
+            x,
+            z,
+            y,
+            dy,
+            dx,
+            dz,
+            d,
+            dd,
             initial_states,
             final_states,
             dinitial_states,
@@ -928,7 +1033,7 @@ mod tests {
     fn wide_heads_run_as_heads_of_64() {
         let wide = Shape { heads: 32, headdim: 128, ..mamba2(8, 2048) };
         assert!(mma_applies(&wide) && mma_applies(&Shape { headdim: 256, ..wide }));
-        assert!(!mma_applies(&Shape { headdim: 96, ..wide }) && !mma_applies(&Shape { headdim: 0, ..wide }));
+        assert!(!mma_applies(&Shape { headdim: 31, ..wide }) && !mma_applies(&Shape { headdim: 0, ..wide }));
         let m = mma_shape(&wide);
         assert_eq!((m.heads, m.headdim, m.batch, m.groups), (64, 64, 8, 1));
         assert_eq!((mma_shape(&mamba2(8, 2048)).heads, mma_shape(&mamba2(8, 2048)).headdim), (64, 64));
@@ -1065,6 +1170,54 @@ mod tests {
         assert_eq!(five.halves.final_states - five.halves.initial_states, 5 * 128 * 64 * 128 * 4);
     }
 
+    #[test]
+    fn narrow_heads_run_widened() {
+        assert_eq!([32, 33, 48, 64, 65, 96, 128].map(mma_headdim), [64, 64, 64, 64, 128, 128, 128].map(Some));
+        assert_eq!([0, 1, 16, 31].map(mma_headdim), [None; 4]);
+        let s = Shape { heads: 128, headdim: 32, ..mamba2(8, 2048) };
+        let m = mma_shape(&s);
+        assert_eq!((m.heads, m.groups, m.headdim, m.dstate), (128, 1, 64, 128));
+        let odd = mma_shape(&Shape { headdim: 96, dstate: 200, ..s });
+        assert_eq!((odd.heads, odd.groups, odd.headdim, odd.dstate), (512, 2, 64, 128));
+        assert_eq!(PadHeads::new(&mamba2(8, 2048), 8, true), PadHeads { headdim: 64, ..PadHeads::default() });
+        assert_eq!(part_records_floats(&s), 0);
+
+        let per_step = 8 * 2048 * 128 * 64 * 2;
+        let (d, states, chunks) = (128 * 64 * 4, 8 * 128 * 64 * 128 * 4, 8 * 128 * 64 * 8 * 128 * 2);
+        for backward in [false, true] {
+            let l = PadHeads::new(&s, s.batch, backward);
+            let (f, b) = if backward { (0, 1) } else { (1, 0) };
+            let spans = [
+                (l.x, per_step),
+                (l.z, per_step),
+                (l.y, f * per_step),
+                (l.dy, b * per_step),
+                (l.dx, b * per_step),
+                (l.dz, b * per_step),
+                (l.d, d),
+                (l.dd, b * d),
+                (l.initial_states, states),
+                (l.final_states, f * states),
+                (l.dinitial_states, b * states),
+                (l.dfinal_states, b * states),
+                (l.chunk_states, chunks),
+            ];
+            assert_aligned_and_disjoint(&spans, l.bytes);
+            assert_eq!(l.bytes, spans.iter().map(|&(_, len)| (len + ALIGN - 1) / ALIGN * ALIGN).sum::<i64>());
+            // Widened state, halves, widened heads (of the halved call, on its widened state), split heads.
+            let all = Shape { headdim: 96, dstate: 200, ..s };
+            let ws = MmaWorkspace::new(&all, backward);
+            let stage = Shape { heads: 256, groups: 2, dstate: 128, ..all };
+            assert_eq!((ws.pad.dstate, ws.heads), (256, PadHeads::new(&stage, all.batch, backward)));
+            assert_eq!(ws.split, SplitHeads::new(&Shape { headdim: 128, ..stage }, backward));
+            assert_eq!((ws.heads_at, ws.split_at), (ws.halves_at + ws.halves.bytes, ws.heads_at + ws.heads.bytes));
+            assert_eq!(ws.kernels_at, ws.split_at + ws.split.bytes);
+        }
+        // The states of a widened dstate under 128: the kernels' dstate.
+        let small = PadHeads::new(&Shape { dstate: 64, ..s }, 8, false);
+        assert_eq!(small.final_states - small.initial_states, 8 * 128 * 64 * 64 * 4);
+    }
+
     /// The workspace functions size for the path that runs: where the tensor-core kernels apply the
     /// CUDA target never falls back to the generic path (misaligned operands are refused), so its
     /// far larger scratch is not asked for.
@@ -1075,7 +1228,7 @@ mod tests {
         assert_eq!(bwd_workspace_bytes(&main), mma_bwd_layout(&main).bytes);
         assert_eq!(fwd_workspace_bytes(&main), mma_fwd_bytes(&main));
         assert!(bwd_workspace_bytes(&main) < bwd_layout(&main).bytes / 10);
-        let generic = Shape { headdim: 48, ..main };
+        let generic = Shape { headdim: 16, ..main };
         assert!(!mma_applies(&generic));
         assert_eq!(bwd_workspace_bytes(&generic), bwd_layout(&generic).bytes);
         assert_eq!(fwd_workspace_bytes(&generic), fwd_layout(&generic).bytes);

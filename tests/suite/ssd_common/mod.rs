@@ -150,8 +150,7 @@ impl SsdCase {
     /// products take operands in the inputs' dtype, so the f32 states carry its rounding.
     pub fn tensor_cores(&self) -> bool {
         self.dtype != Dt::F32
-            && self.headdim > 0
-            && self.headdim.is_multiple_of(64)
+            && self.headdim >= 32
             && (1..=256).contains(&self.dstate)
             && self.chunk_size.is_multiple_of(64)
     }
@@ -1063,8 +1062,10 @@ pub fn grad_tol(case: &SsdCase, name: &str) -> Tol {
         (t, "ddt_bias") if case.transformed() => Tol { rel_l2: 4.0 * t.tol().rel_l2, rel_max: 4.0 * t.tol().rel_max },
         // dA sums dt times the suffix sums of the cum gradient over every step, terms of both signs
         // built from products of T-rounded operands (the tensor-core backward rounds S and dS to T
-        // as mma operands): measured up to 1.1e-2 rel L2 in bf16 on the H100.
-        (t, "ddt") | (t, "ddt_bias") | (t, "dA") => {
+        // as mma operands): measured up to 1.1e-2 rel L2 in bf16 on the H100. dD sums x times dy
+        // through the gate (rounded to T on the tensor cores) over every step and channel, also of
+        // both signs: 1.6e-3 in f16 (packed, z, H200).
+        (t, "ddt") | (t, "ddt_bias") | (t, "dA") | (t, "dD") => {
             Tol { rel_l2: 2.0 * t.tol().rel_l2, rel_max: 2.0 * t.tol().rel_max }
         }
         (t, _) => t.tol(),

@@ -444,8 +444,14 @@ defmodule XlaSsm.Test.Fixture do
       {1, 16384, 64, 64, 256, 1, 256},
       {1, 700, 2, 64, 200, 1, 128},
       {3, 130, 3, 128, 256, 3, 64},
-      # generic path: other headdim / dstate / chunk
+      # heads widened to a multiple of 64, with split heads, a widened state, two halves
       {8, 2048, 64, 48, 128, 1, 256},
+      {8, 2048, 128, 32, 128, 1, 256},
+      {3, 130, 3, 96, 128, 3, 64},
+      {2, 500, 4, 40, 16, 1, 256},
+      {1, 1087, 8, 32, 256, 2, 256},
+      # generic path: other headdim / dstate / chunk
+      {8, 2048, 64, 16, 128, 1, 256},
       {2, 33, 6, 5, 7, 3, 32},
       {2, 77, 4, 16, 16, 2, 32},
       {1, 16384, 32, 64, 16, 1, 32},
@@ -474,7 +480,7 @@ defmodule XlaSsm.Test.Fixture do
 
   defp render_chunk_types do
     lines =
-      for headdim <- [32, 64],
+      for headdim <- [16, 32, 64],
           dstate <- [16, 64, 128, 200, 256],
           chunk <- [32, 64, 128, 256],
           type <- [:f32, :bf16, :f16] do

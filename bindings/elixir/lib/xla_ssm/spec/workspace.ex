@@ -28,6 +28,7 @@ defmodule XlaSsm.Spec.Workspace do
   @align 256
   @mma_tile 64
   @mma_headdim 64
+  @mma_min_headdim 32
   @mma_dstates [64, 128]
   @mma_max_dstate 256
   @mma_wave_blocks 264
@@ -202,10 +203,14 @@ defmodule XlaSsm.Spec.Workspace do
     do: raise(ArgumentError, "expected an f32, bf16 or f16 type, got #{inspect(other)}")
 
   defp mma_applies?(s) do
-    s.elem_bytes == 2 and s.headdim > 0 and rem(s.headdim, @mma_headdim) == 0 and
+    s.elem_bytes == 2 and mma_headdim(s.headdim) != nil and
       mma_dstate(s.dstate) != nil and rem(s.chunk_size, @mma_tile) == 0 and
       s.chunk_size <= @mma_max_chunk
   end
+
+  # plan::mma_headdim: the next multiple of 64 from 32 channels.
+  defp mma_headdim(p) when p >= @mma_min_headdim, do: ceil_div(p, @mma_headdim) * @mma_headdim
+  defp mma_headdim(_p), do: nil
 
   # plan::mma_dstate: the smallest of the kernels' dstates that holds it, else two of the largest.
   defp mma_dstate(n), do: Enum.find(@mma_dstates ++ [@mma_max_dstate], &(n >= 1 and n <= &1))
@@ -218,30 +223,39 @@ defmodule XlaSsm.Spec.Workspace do
     end
   end
 
-  # plan::mma_shape: the state widened, two halves as twice the groups and heads, each head as
-  # headdim / 64 heads of 64.
+  # plan::mma_shape: the state widened, two halves as twice the groups and heads, heads widened to
+  # a multiple of 64, each head as headdim / 64 heads of 64.
   defp mma_shape(s) do
-    ways = max(div(s.headdim, @mma_headdim), 1)
+    headdim = mma_headdim(s.headdim) || s.headdim
+    ways = max(div(headdim, @mma_headdim), 1)
+    stage = state_stage(s)
+
+    %{stage | heads: stage.heads * ways, headdim: min(headdim, @mma_headdim)}
+  end
+
+  # plan::state_stage: the call after PadState and StateHalves.
+  defp state_stage(s) do
     halves = state_halves(s.dstate)
 
     %{
       s
-      | heads: s.heads * halves * ways,
+      | heads: s.heads * halves,
         groups: s.groups * halves,
-        headdim: min(s.headdim, @mma_headdim),
         dstate: div(mma_dstate(s.dstate) || s.dstate, halves)
     }
   end
 
   # plan::MmaWorkspace::new(s, backward).bytes: the widened state's arrays (PadState), the halves'
-  # (StateHalves), the halved call's split heads' (SplitHeads), then the kernels'.
+  # (StateHalves), the widened heads' (PadHeads), the split heads' (SplitHeads), then the kernels'.
   defp mma_workspace_bytes(s, backward) do
-    halved = %{s | heads: s.heads * state_halves(s.dstate)}
+    stage = state_stage(s)
+    widened = %{stage | headdim: mma_headdim(s.headdim) || s.headdim}
 
     arrays =
       aligned_sum(
         pad_state_arrays(s, backward) ++
-          state_halves_arrays(s, backward) ++ split_heads_arrays(halved, backward)
+          state_halves_arrays(s, backward) ++
+          pad_heads_arrays(stage, backward) ++ split_heads_arrays(widened, backward)
       )
 
     m = mma_shape(s)
@@ -288,6 +302,27 @@ defmodule XlaSsm.Spec.Workspace do
 
       if backward,
         do: both ++ [per_step, per_step, per_step, dt, per_head, d, per_head, states, states],
+        else: both ++ [per_step, states]
+    end
+  end
+
+  # plan::PadHeads (of the call after PadState and StateHalves): x, z, a per-channel D, the
+  # states and chunk states at the widened headdim (forward also y and the final states; backward
+  # dy, dx, dz, dD and the states' gradients); none for a multiple of 64.
+  defp pad_heads_arrays(s, backward) do
+    headdim = mma_headdim(s.headdim) || s.headdim
+
+    if headdim == s.headdim do
+      []
+    else
+      per_step = s.batch * s.seqlen * s.heads * headdim * s.elem_bytes
+      d = s.heads * headdim * 4
+      states = s.batch * s.heads * headdim * s.dstate * 4
+      chunks = s.batch * s.heads * headdim * ceil_div(s.seqlen, s.chunk_size) * s.dstate * s.elem_bytes
+      both = [per_step, per_step, d, states, chunks]
+
+      if backward,
+        do: both ++ [per_step, per_step, per_step, d, states, states],
         else: both ++ [per_step, states]
     end
   end
