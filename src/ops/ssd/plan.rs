@@ -409,7 +409,8 @@ impl PadState {
 pub struct StateHalves {
     /// 2, or 1 where nothing is halved.
     pub halves: i64,
-    /// (batch, seqlen, 2 * heads, headdim) T each: x, z and y; backward: z, dy, dx and dz (no y).
+    /// (batch, seqlen, 2 * heads, headdim) T each: x and z, then y (forward) or dy, dx and dz
+    /// (backward).
     pub x: i64,
     pub z: i64,
     pub y: i64,
@@ -497,7 +498,7 @@ impl StateHalves {
 pub struct PadHeads {
     /// The widened headdim.
     pub headdim: i64,
-    /// (batch, seqlen, heads, headdim) T each: x, z and y; backward: z, dy, dx and dz (no y).
+    /// (batch, seqlen, heads, headdim) T each: x and z, then y (forward) or dy, dx and dz (backward).
     pub x: i64,
     pub z: i64,
     pub y: i64,
