@@ -301,23 +301,11 @@ typedef struct SsdSplitHeadsParams {
   float *ddt_bias;
 } SsdSplitHeadsParams;
 
-// A copy of `rows` rows of `from` elements into rows of `to` elements (kernels/ssd_glue.cu,
-// `pad_rows`): the first min(from, to) of each row, then zeros to the end of a wider row. Widens
-// the state-sized arrays to the tensor-core kernels' dstate and narrows their results back
-// ([`plan::PadState`]); generated into kernels/params.h as `SsdPadRows`.
-typedef struct SsdPadRows {
-  const void *src;
-  void *dst;
-  int64_t rows;
-  int64_t from;
-  int64_t to;
-} SsdPadRows;
-
 // A strided copy (kernels/ssd_glue.cu, `gather`): element (i0, i1, i2, i3) of `dst`, rows of
 // `dst_cols` elements (at least dims[3]) after `dims`' first three, is the element of `src` at
 // sum(i_k * strides[k]), plus, where `second` is not 0, the one `second` elements past it (the sum
 // of two halves, in f32, rounded once). Elements past dims[3] in a row, and where `zero_from` is not
-// 0 those with i1 >= zero_from, are zero. Moves arrays to and from the calls of
+// 0 those with i1 >= zero_from, are zero. Moves arrays to and from the calls of [`plan::PadState`],
 // [`plan::StateHalves`] and [`plan::PadHeads`]; generated into kernels/params.h as `SsdGather`.
 typedef struct SsdGather {
   const void *src;

@@ -2,7 +2,7 @@
 // dim = heads * headdim channels in the channel-last layout. These kernels expand the per-head
 // operands to per-channel ones before the scan, and fold the scan's per-channel gradients back to
 // heads after its backward; the split-heads pair does the same for the tensor-core path's heads
-// wider than 64. Every reduction sums in a fixed order (no atomics): the same inputs
+// wider than 64, and `gather` moves the arrays of its other stages. Every reduction sums in a fixed order (no atomics): the same inputs
 // give the same bits. Their parameters: SsdGlueParams (kernels/params.h).
 #include "ssd.cuh"
 
@@ -170,23 +170,10 @@ __device__ __forceinline__ void split_heads_fold(const SsdSplitHeadsParams s) {
     }
 }
 
-// A state-sized array widened to the tensor-core kernels' dstate, or a result narrowed back
-// (plan::PadState): each of `rows` rows, the first min(from, to) elements copied, zeros after.
-template <typename E>
-__device__ __forceinline__ void pad_rows(const SsdPadRows a) {
-    const E* src = static_cast<const E*>(a.src);
-    E* dst = static_cast<E*>(a.dst);
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < a.rows * a.to;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t row = i / a.to, col = i % a.to;
-        dst[i] = col < a.from ? src[row * a.from + col] : E(0);
-    }
-}
-
 // A strided copy, or the sum of two such (SsdGather in kernels/params.h), into rows of dst_cols
-// elements, zeros past dims[3]: moves a call's arrays to and from the calls of plan::StateHalves and
-// plan::PadHeads (src/ops/ssd/plan.rs). A row per (i0, i1, i2), the rows split over the grid's warps,
-// so that the index arithmetic is per row. Where the rows are contiguous and 16-byte aligned (x, y,
+// elements, zeros past dims[3]: moves a call's arrays to and from the calls of plan::PadState,
+// plan::StateHalves and plan::PadHeads (src/ops/ssd/plan.rs). A row per (i0, i1, i2), the rows
+// split over the grid's warps, so that the index arithmetic is per row. Where the rows are contiguous and 16-byte aligned (x, y,
 // the states and their gradients: most of the bytes moved), a lane moves 16 bytes at a time, four
 // loads in flight before their stores. The sum is in f32, rounded to E once.
 template <typename E>
@@ -274,12 +261,6 @@ __device__ __forceinline__ void gather(const SsdGather g) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_pad_rows_2(const SsdPadRows a) {
-    pad_rows<uint16_t>(a);
-}
-extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_pad_rows_4(const SsdPadRows a) {
-    pad_rows<uint32_t>(a);
-}
 extern "C" __global__ void __launch_bounds__(kGlueThreads) ssd_glue_expand_params(const SsdGlueParams g) {
     expand_params(g);
 }

@@ -117,11 +117,9 @@ pub fn conv(kernel: Conv, packed: bool, types: (DType, DType)) -> String {
     format!("causal_conv1d_{name}_{packed}{}", join(&[types.0, types.1]))
 }
 
-/// SSD's glue kernels that take no dtype (`pad_rows` per element size).
+/// SSD's glue kernels that take no dtype.
 pub const SSD_GLUE_EXPAND_PARAMS: &str = "ssd_glue_expand_params";
 pub const SSD_GLUE_REDUCE_HEADS: &str = "ssd_glue_reduce_heads";
-pub const SSD_GLUE_PAD_ROWS_2: &str = "ssd_glue_pad_rows_2";
-pub const SSD_GLUE_PAD_ROWS_4: &str = "ssd_glue_pad_rows_4";
 /// SSD's glue kernels per dtype: `expand_delta`, `reduce_ddt` and `gather` (any dtype),
 /// `widen_chunk_states`, `split_heads_expand` and `split_heads_fold` (bf16 and f16).
 pub fn ssd_glue(kernel: &str, dtype: DType) -> String {
@@ -226,8 +224,6 @@ pub fn all() -> Vec<(&'static str, String)> {
     }
     names.push((SSD_GLUE, SSD_GLUE_EXPAND_PARAMS.to_string()));
     names.push((SSD_GLUE, SSD_GLUE_REDUCE_HEADS.to_string()));
-    names.push((SSD_GLUE, SSD_GLUE_PAD_ROWS_2.to_string()));
-    names.push((SSD_GLUE, SSD_GLUE_PAD_ROWS_4.to_string()));
     names.push((SSD_BWD, SSD_BWD_REDUCE_PARAMS.to_string()));
     names.push((SSD_FWD, SSD_FOLD_PART_RECORDS.to_string()));
     for dtype in SSD_MMA_TYPES {

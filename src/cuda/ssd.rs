@@ -20,8 +20,8 @@ use super::{launch, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::ops::ssd::plan::{self, Layout};
 use crate::ops::ssd::{
-    scan_bwd, scan_fwd, Gather, GlueParams, HalvedState, PadRows, PaddedHeads, PaddedState, Scratch, SplitHeadsParams,
-    Ssd, SsdBwd, SsdBwdParams, SsdParams,
+    scan_bwd, scan_fwd, Gather, GlueParams, HalvedState, PaddedHeads, PaddedState, Scratch, SplitHeadsParams, Ssd,
+    SsdBwd, SsdBwdParams, SsdParams,
 };
 use crate::ops::Records;
 use crate::ops::{selective_scan, Platform};
@@ -160,14 +160,14 @@ pub fn bwd(bwd: &SsdBwd, stream: *mut c_void) -> Result<()> {
 /// in the backward the forward's chunk states and dfinal_states.
 fn widen(q: &SsdBwdParams, pad: &PaddedState, dtype: DType, backward: bool, stream: *mut c_void) -> Result<()> {
     let p = &q.fwd;
-    let (t, n, to) = (dtype.size_bytes(), p.dstate, pad.dstate);
+    let (n, to, f32_) = (p.dstate, pad.dstate, DType::F32);
     let (bc_rows, state_rows, chunk_rows) = rows(p);
-    copy_rows(p.b, pad.b, bc_rows, n, to, t, stream)?;
-    copy_rows(p.c, pad.c, bc_rows, n, to, t, stream)?;
-    copy_rows(p.initial_states.cast(), pad.initial_states.cast(), state_rows, n, to, 4, stream)?;
+    copy_rows(p.b, pad.b, bc_rows, n, to, dtype, stream)?;
+    copy_rows(p.c, pad.c, bc_rows, n, to, dtype, stream)?;
+    copy_rows(p.initial_states.cast(), pad.initial_states.cast(), state_rows, n, to, f32_, stream)?;
     if backward {
-        copy_rows(p.chunk_states, pad.chunk_states, chunk_rows, n, to, t, stream)?;
-        copy_rows(q.dfinal_states.cast(), pad.dfinal_states.cast(), state_rows, n, to, 4, stream)?;
+        copy_rows(p.chunk_states, pad.chunk_states, chunk_rows, n, to, dtype, stream)?;
+        copy_rows(q.dfinal_states.cast(), pad.dfinal_states.cast(), state_rows, n, to, f32_, stream)?;
     }
     Ok(())
 }
@@ -176,15 +176,15 @@ fn widen(q: &SsdBwdParams, pad: &PaddedState, dtype: DType, backward: bool, stre
 /// or in the backward dB, dC and dinitial_states.
 fn narrow(q: &SsdBwdParams, pad: &PaddedState, dtype: DType, backward: bool, stream: *mut c_void) -> Result<()> {
     let p = &q.fwd;
-    let (t, n, from) = (dtype.size_bytes(), p.dstate, pad.dstate);
+    let (n, from, f32_) = (p.dstate, pad.dstate, DType::F32);
     let (bc_rows, state_rows, chunk_rows) = rows(p);
     if backward {
-        copy_rows(pad.db, q.db, bc_rows, from, n, t, stream)?;
-        copy_rows(pad.dc, q.dc, bc_rows, from, n, t, stream)?;
-        copy_rows(pad.dinitial_states.cast(), q.dinitial_states.cast(), state_rows, from, n, 4, stream)
+        copy_rows(pad.db, q.db, bc_rows, from, n, dtype, stream)?;
+        copy_rows(pad.dc, q.dc, bc_rows, from, n, dtype, stream)?;
+        copy_rows(pad.dinitial_states.cast(), q.dinitial_states.cast(), state_rows, from, n, f32_, stream)
     } else {
-        copy_rows(pad.final_states.cast(), p.final_states.cast(), state_rows, from, n, 4, stream)?;
-        copy_rows(pad.chunk_states, p.chunk_states, chunk_rows, from, n, t, stream)
+        copy_rows(pad.final_states.cast(), p.final_states.cast(), state_rows, from, n, f32_, stream)?;
+        copy_rows(pad.chunk_states, p.chunk_states, chunk_rows, from, n, dtype, stream)
     }
 }
 
@@ -195,24 +195,19 @@ fn rows(p: &SsdParams) -> (i64, i64, i64) {
     (p.batch * p.seqlen * p.groups, p.state_rows() * per_state, p.batch * per_state * p.n_chunks())
 }
 
-/// `rows` rows of `from` elements of `elem_bytes` at `src` into rows of `to` at `dst` (zeros past
-/// `from`); nothing where either is null.
+/// `rows` rows of `from` elements of `dtype` at `src` into rows of `to` at `dst`: the first min(from,
+/// to) of each row, zeros past `from` (a `gather`); nothing where either is null.
 fn copy_rows(
     src: *const c_void,
     dst: *mut c_void,
     rows: i64,
     from: i64,
     to: i64,
-    elem_bytes: i64,
+    dtype: DType,
     stream: *mut c_void,
 ) -> Result<()> {
-    if src.is_null() || dst.is_null() || rows * to == 0 {
-        return Ok(());
-    }
-    let kernel = if elem_bytes == 2 { kernels::SSD_GLUE_PAD_ROWS_2 } else { kernels::SSD_GLUE_PAD_ROWS_4 };
-    // SAFETY: `src` holds rows x from and `dst` rows x to elements of `elem_bytes`: the call's
-    // validated arrays and the workspace's (plan::PadState), which `workspace_at` checked holds them.
-    unsafe { launch(stream, MODULE, kernel, grid_stride(rows * to), &PadRows { src, dst, rows, from, to }) }
+    let g = moved(src, dst, ([rows, 1, 1, from.min(to)], [from, 0, 0, 1]));
+    gather(Gather { dst_cols: to, ..g }, dtype, stream)
 }
 
 /// The sizes the halves' moves index by (plan::StateHalves): rows of (batch, seqlen, group), E heads a
@@ -251,22 +246,26 @@ fn halve(q: &SsdBwdParams, h: &HalvedState, dtype: DType, backward: bool, stream
     let sz = HalfSizes::of(p);
     let (ep, d_inner) = (sz.e * sz.p, if p.d_per_channel != 0 { sz.e * sz.p } else { sz.e });
     let repeat = |rows: i64, inner: i64| ([rows, 2, 1, inner], [inner, 0, 0, 1]);
-    for (src, dst) in [(p.x, h.x), (p.z, h.z)] {
+    for (src, dst) in [(p.x, h.copies.x), (p.z, h.copies.z)] {
         gather(moved(src, dst, repeat(sz.step_rows, ep)), dtype, stream)?;
     }
     gather(moved(p.dt, h.dt, repeat(sz.step_rows, sz.e)), dtype, stream)?;
     gather(moved(p.a.cast(), h.a.cast(), repeat(sz.groups, sz.e)), DType::F32, stream)?;
     gather(moved(p.dt_bias.cast(), h.dt_bias.cast(), repeat(sz.groups, sz.e)), DType::F32, stream)?;
-    gather(Gather { zero_from: 1, ..moved(p.d.cast(), h.d.cast(), repeat(sz.groups, d_inner)) }, DType::F32, stream)?;
+    gather(
+        Gather { zero_from: 1, ..moved(p.d.cast(), h.copies.d.cast(), repeat(sz.groups, d_inner)) },
+        DType::F32,
+        stream,
+    )?;
     // A state's (o, inner, half, m) to (o, half, inner, m).
     let split = |rows: i64, inner: i64| ([rows, 2, inner, sz.n], [inner * 2 * sz.n, sz.n, 2 * sz.n, 1]);
     let states = split(sz.state_rows * sz.groups, ep);
-    gather(moved(p.initial_states.cast(), h.initial_states.cast(), states), DType::F32, stream)?;
+    gather(moved(p.initial_states.cast(), h.copies.initial_states.cast(), states), DType::F32, stream)?;
     if backward {
-        gather(moved(q.dy, h.dy, repeat(sz.step_rows, ep)), dtype, stream)?;
-        gather(moved(q.dfinal_states.cast(), h.dfinal_states.cast(), states), DType::F32, stream)?;
+        gather(moved(q.dy, h.copies.dy, repeat(sz.step_rows, ep)), dtype, stream)?;
+        gather(moved(q.dfinal_states.cast(), h.copies.dfinal_states.cast(), states), DType::F32, stream)?;
         let chunks = split(sz.batch * sz.groups, ep * sz.n_chunks);
-        gather(moved(p.chunk_states, h.chunk_states, chunks), dtype, stream)?;
+        gather(moved(p.chunk_states, h.copies.chunk_states, chunks), dtype, stream)?;
     }
     Ok(())
 }
@@ -283,12 +282,12 @@ fn join_halves(q: &SsdBwdParams, h: &HalvedState, dtype: DType, backward: bool, 
     let join = |rows: i64, inner: i64| ([rows, inner, 2, sz.n], [2 * inner * sz.n, sz.n, inner * sz.n, 1]);
     let states = join(sz.state_rows * sz.groups, ep);
     if !backward {
-        gather(Gather { second: ep, ..moved(h.y, p.y, first(sz.step_rows, ep)) }, dtype, stream)?;
-        gather(moved(h.final_states.cast(), p.final_states.cast(), states), DType::F32, stream)?;
+        gather(Gather { second: ep, ..moved(h.copies.y, p.y, first(sz.step_rows, ep)) }, dtype, stream)?;
+        gather(moved(h.copies.final_states.cast(), p.final_states.cast(), states), DType::F32, stream)?;
         let chunks = join(sz.batch * sz.groups, ep * sz.n_chunks);
-        return gather(moved(h.chunk_states, p.chunk_states, chunks), dtype, stream);
+        return gather(moved(h.copies.chunk_states, p.chunk_states, chunks), dtype, stream);
     }
-    for (src, dst) in [(h.dx, q.dx), (h.dz, q.dz)] {
+    for (src, dst) in [(h.copies.dx, q.dx), (h.copies.dz, q.dz)] {
         gather(Gather { second: ep, ..moved(src, dst, first(sz.step_rows, ep)) }, dtype, stream)?;
     }
     gather(Gather { second: sz.e, ..moved(h.ddt, q.ddt, first(sz.step_rows, sz.e)) }, dtype, stream)?;
@@ -298,8 +297,8 @@ fn join_halves(q: &SsdBwdParams, h: &HalvedState, dtype: DType, backward: bool, 
         DType::F32,
         stream,
     )?;
-    gather(moved(h.dd.cast(), q.dd.cast(), first(sz.groups, d_inner)), DType::F32, stream)?;
-    gather(moved(h.dinitial_states.cast(), q.dinitial_states.cast(), states), DType::F32, stream)
+    gather(moved(h.copies.dd.cast(), q.dd.cast(), first(sz.groups, d_inner)), DType::F32, stream)?;
+    gather(moved(h.copies.dinitial_states.cast(), q.dinitial_states.cast(), states), DType::F32, stream)
 }
 
 /// The call's per-channel arrays widened into `padded`'s rows of `padded.headdim` channels (zeros
@@ -312,21 +311,20 @@ fn widen_heads(
     backward: bool,
     stream: *mut c_void,
 ) -> Result<()> {
-    let p = &q.fwd;
-    let (from, to, n, chunk_n) = (p.headdim, padded.headdim, p.dstate, p.n_chunks() * p.dstate);
-    let (step_rows, state_rows, chunk_rows) = (p.rows(), p.state_rows() * p.heads, p.batch * p.heads);
-    let widen = |src: *const c_void, dst: *mut c_void, rows: i64, unit: i64, dtype: DType| {
-        let g = Gather { dst_cols: to * unit, ..moved(src, dst, ([rows, 1, 1, from * unit], [from * unit, 0, 0, 1])) };
-        gather(g, dtype, stream)
+    let (p, c, f32_) = (&q.fwd, &padded.copies, DType::F32);
+    let [step, state, chunk] = head_rows(p);
+    // Rows of `unit` elements a channel, `headdim` channels to `padded.headdim`.
+    let widen = |src: *const c_void, dst: *mut c_void, (rows, unit): (i64, i64), dtype: DType| {
+        copy_rows(src, dst, rows, p.headdim * unit, padded.headdim * unit, dtype, stream)
     };
-    widen(p.x, padded.x, step_rows, 1, dtype)?;
-    widen(p.z, padded.z, step_rows, 1, dtype)?;
-    widen(p.d.cast(), padded.d.cast(), p.heads, 1, DType::F32)?;
-    widen(p.initial_states.cast(), padded.initial_states.cast(), state_rows, n, DType::F32)?;
+    widen(p.x, c.x, step, dtype)?;
+    widen(p.z, c.z, step, dtype)?;
+    widen(p.d.cast(), c.d.cast(), (p.heads, 1), f32_)?;
+    widen(p.initial_states.cast(), c.initial_states.cast(), state, f32_)?;
     if backward {
-        widen(q.dy, padded.dy, step_rows, 1, dtype)?;
-        widen(q.dfinal_states.cast(), padded.dfinal_states.cast(), state_rows, n, DType::F32)?;
-        widen(p.chunk_states, padded.chunk_states, chunk_rows, chunk_n, dtype)?;
+        widen(q.dy, c.dy, step, dtype)?;
+        widen(q.dfinal_states.cast(), c.dfinal_states.cast(), state, f32_)?;
+        widen(p.chunk_states, c.chunk_states, chunk, dtype)?;
     }
     Ok(())
 }
@@ -340,21 +338,26 @@ fn narrow_heads(
     backward: bool,
     stream: *mut c_void,
 ) -> Result<()> {
-    let p = &q.fwd;
-    let (to, from, n, chunk_n) = (p.headdim, padded.headdim, p.dstate, p.n_chunks() * p.dstate);
-    let (step_rows, state_rows, chunk_rows) = (p.rows(), p.state_rows() * p.heads, p.batch * p.heads);
-    let narrow = |src: *mut c_void, dst: *mut c_void, rows: i64, unit: i64, dtype: DType| {
-        gather(moved(src, dst, ([rows, 1, 1, to * unit], [from * unit, 0, 0, 1])), dtype, stream)
+    let (p, c, f32_) = (&q.fwd, &padded.copies, DType::F32);
+    let [step, state, chunk] = head_rows(p);
+    let narrow = |src: *mut c_void, dst: *mut c_void, (rows, unit): (i64, i64), dtype: DType| {
+        copy_rows(src, dst, rows, padded.headdim * unit, p.headdim * unit, dtype, stream)
     };
     if !backward {
-        narrow(padded.y, p.y, step_rows, 1, dtype)?;
-        narrow(padded.final_states.cast(), p.final_states.cast(), state_rows, n, DType::F32)?;
-        return narrow(padded.chunk_states, p.chunk_states, chunk_rows, chunk_n, dtype);
+        narrow(c.y, p.y, step, dtype)?;
+        narrow(c.final_states.cast(), p.final_states.cast(), state, f32_)?;
+        return narrow(c.chunk_states, p.chunk_states, chunk, dtype);
     }
-    narrow(padded.dx, q.dx, step_rows, 1, dtype)?;
-    narrow(padded.dz, q.dz, step_rows, 1, dtype)?;
-    narrow(padded.dd.cast(), q.dd.cast(), p.heads, 1, DType::F32)?;
-    narrow(padded.dinitial_states.cast(), q.dinitial_states.cast(), state_rows, n, DType::F32)
+    narrow(c.dx, q.dx, step, dtype)?;
+    narrow(c.dz, q.dz, step, dtype)?;
+    narrow(c.dd.cast(), q.dd.cast(), (p.heads, 1), f32_)?;
+    narrow(c.dinitial_states.cast(), q.dinitial_states.cast(), state, f32_)
+}
+
+/// (rows, elements a channel) of the per-channel arrays: x, z, y and their gradients; the states;
+/// chunk_states. A head's channels are the outer axis of each row.
+fn head_rows(p: &SsdParams) -> [(i64, i64); 3] {
+    [(p.rows(), 1), (p.state_rows() * p.heads, p.dstate), (p.batch * p.heads, p.n_chunks() * p.dstate)]
 }
 
 /// A plain strided copy of `(dims, strides)` from `src` into dense `dst` ([`Gather`]).
@@ -365,16 +368,16 @@ fn moved(src: *const c_void, dst: *mut c_void, (dims, strides): ([i64; 4], [i64;
 /// One `gather` (kernels/ssd_glue.cu); nothing where either array is null.
 fn gather(g: Gather, dtype: DType, stream: *mut c_void) -> Result<()> {
     let rows = g.dims[0] * g.dims[1] * g.dims[2];
-    if g.src.is_null() || g.dst.is_null() || rows * g.dims[3] == 0 {
+    if g.src.is_null() || g.dst.is_null() || rows * g.dims[3].max(g.dst_cols) == 0 {
         return Ok(());
     }
     let warps_per_block = (THREADS / 32) as u64;
     let blocks = (rows as u64).div_ceil(warps_per_block).min(MAX_BLOCKS);
     let config = LaunchConfig { grid: (blocks, 1, 1), block: THREADS, shared_bytes: 0 };
     // SAFETY: `src` holds every element the strides reach and `dst` the rows of max(dst_cols,
-    // dims[3]) elements: the call's validated arrays and the workspace's (plan::StateHalves,
-    // plan::PadHeads), which `workspace_at` checked holds them; the callers' sizes are those arrays'
-    // shapes.
+    // dims[3]) elements: the call's validated arrays and the workspace's (plan::PadState,
+    // plan::StateHalves, plan::PadHeads), which `workspace_at` checked holds them; the callers'
+    // sizes are those arrays' shapes.
     unsafe { launch(stream, MODULE, &kernels::ssd_glue("gather", dtype), config, &g) }
 }
 

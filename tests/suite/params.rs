@@ -13,9 +13,7 @@ use xla_ssm::ops::mamba_decode::DecodeParams;
 use xla_ssm::ops::selective_scan::carry::CarryParams;
 use xla_ssm::ops::selective_scan::{BwdParams, BwdReduceParams, FwdParams};
 use xla_ssm::ops::ssd::plan::MmaFwdSplit;
-use xla_ssm::ops::ssd::{
-    BwdMmaParams, FwdMmaParams, Gather, GlueParams, PadRows, SplitHeadsParams, SsdBwdParams, SsdParams,
-};
+use xla_ssm::ops::ssd::{BwdMmaParams, FwdMmaParams, Gather, GlueParams, SplitHeadsParams, SsdBwdParams, SsdParams};
 use xla_ssm::ops::state_update::UpdateParams;
 
 /// The header as of this test's build (the test needs no source tree to run).
@@ -110,7 +108,6 @@ fn rust_layouts() -> Vec<Layout> {
         SplitHeadsParams => "SsdSplitHeadsParams" {
             q, ways, dt, a => "A", d => "D", dt_bias, ddt, da => "dA", dd => "dD", ddt_bias,
         }
-        PadRows => "SsdPadRows" { src, dst, rows, from, to }
         Gather => "SsdGather" { src, dst, dims, strides, second, zero_from, dst_cols }
         MmaFwdSplit => "FwdSplit" { tiles_per_part, n_parts, records_per_part }
         FwdMmaParams => "SsdMmaParams" { p, split, scalars_in_y }

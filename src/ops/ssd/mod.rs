@@ -264,25 +264,11 @@ impl SplitHeadsParams {
     }
 }
 
-/// A copy of `rows` rows of `from` elements into rows of `to` elements (kernels/ssd_glue.cu,
-/// `pad_rows`): the first min(from, to) of each row, then zeros to the end of a wider row. Widens
-/// the state-sized arrays to the tensor-core kernels' dstate and narrows their results back
-/// ([`plan::PadState`]); generated into kernels/params.h as `SsdPadRows`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct PadRows {
-    pub src: *const c_void,
-    pub dst: *mut c_void,
-    pub rows: i64,
-    pub from: i64,
-    pub to: i64,
-}
-
 /// A strided copy (kernels/ssd_glue.cu, `gather`): element (i0, i1, i2, i3) of `dst`, rows of
 /// `dst_cols` elements (at least dims[3]) after `dims`' first three, is the element of `src` at
 /// sum(i_k * strides[k]), plus, where `second` is not 0, the one `second` elements past it (the sum
 /// of two halves, in f32, rounded once). Elements past dims[3] in a row, and where `zero_from` is not
-/// 0 those with i1 >= zero_from, are zero. Moves arrays to and from the calls of
+/// 0 those with i1 >= zero_from, are zero. Moves arrays to and from the calls of [`plan::PadState`],
 /// [`plan::StateHalves`] and [`plan::PadHeads`]; generated into kernels/params.h as `SsdGather`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -306,12 +292,10 @@ fn in_workspace(callers: *const c_void, base: *mut u8, offset: i64) -> *mut c_vo
     }
 }
 
-/// The arrays of a [`plan::PadHeads`] in a workspace: where the tensor-core kernels read and write a
-/// call's arrays with its heads widened (null where the call has no such array, and D where it is
-/// per head).
+/// A [`plan::Copies`] in a workspace: where the tensor-core kernels read and write a stage's copies
+/// of the call's per-channel arrays (null where the call has no such array).
 #[derive(Debug, Clone, Copy)]
-pub struct PaddedHeads {
-    pub headdim: i64,
+pub struct CopiesAt {
     pub x: *mut c_void,
     pub z: *mut c_void,
     pub y: *mut c_void,
@@ -327,24 +311,29 @@ pub struct PaddedHeads {
     pub chunk_states: *mut c_void,
 }
 
-impl PaddedHeads {
-    /// The arrays of `layout` in the workspace at `base` (its aligned start) that `bwd` (a forward:
-    /// [`Ssd::as_bwd`]) has.
-    pub fn carve(bwd: &SsdBwd, layout: &plan::PadHeads, base: *mut u8) -> PaddedHeads {
+impl CopiesAt {
+    /// The copies of `layout` in the workspace at `base` (its aligned start) that `bwd` (a forward:
+    /// [`Ssd::as_bwd`]) has; D and dD only where `copies_d`.
+    fn carve(bwd: &SsdBwd, layout: &plan::Copies, base: *mut u8, copies_d: bool) -> CopiesAt {
         let q = &bwd.params;
         let p = &q.fwd;
         let at = |callers: *const c_void, offset: i64| in_workspace(callers, base, offset);
-        let per_channel = |d: *const f32| if p.d_per_channel != 0 { d } else { std::ptr::null() };
-        PaddedHeads {
-            headdim: layout.headdim,
+        let d_at = |callers: *const f32, offset: i64| {
+            if copies_d {
+                at(callers.cast(), offset).cast()
+            } else {
+                std::ptr::null_mut()
+            }
+        };
+        CopiesAt {
             x: at(p.x, layout.x),
             z: at(p.z, layout.z),
             y: at(p.y, layout.y),
             dy: at(q.dy, layout.dy),
             dx: at(q.dx, layout.dx),
             dz: at(q.dz, layout.dz),
-            d: at(per_channel(p.d).cast(), layout.d).cast(),
-            dd: at(per_channel(q.dd).cast(), layout.dd).cast(),
+            d: d_at(p.d, layout.d),
+            dd: d_at(q.dd, layout.dd),
             initial_states: at(p.initial_states.cast(), layout.initial_states).cast(),
             final_states: at(p.final_states.cast(), layout.final_states).cast(),
             dinitial_states: at(q.dinitial_states.cast(), layout.dinitial_states).cast(),
@@ -354,30 +343,35 @@ impl PaddedHeads {
     }
 }
 
+/// The arrays of a [`plan::PadHeads`] in a workspace: where the tensor-core kernels read and write a
+/// call's arrays with its heads widened (D only where it is per channel).
+#[derive(Debug, Clone, Copy)]
+pub struct PaddedHeads {
+    pub headdim: i64,
+    pub copies: CopiesAt,
+}
+
+impl PaddedHeads {
+    /// The arrays of `layout` in the workspace at `base` (its aligned start) that `bwd` (a forward:
+    /// [`Ssd::as_bwd`]) has.
+    pub fn carve(bwd: &SsdBwd, layout: &plan::PadHeads, base: *mut u8) -> PaddedHeads {
+        let per_channel_d = bwd.params.fwd.d_per_channel != 0;
+        PaddedHeads { headdim: layout.headdim, copies: CopiesAt::carve(bwd, &layout.copies, base, per_channel_d) }
+    }
+}
+
 /// The arrays of a [`plan::StateHalves`] in a workspace: where the tensor-core kernels read and write
 /// a halved call's arrays (null where the call has no such array); B, C, dB and dC stay where they
 /// are.
 #[derive(Debug, Clone, Copy)]
 pub struct HalvedState {
-    pub x: *mut c_void,
-    pub z: *mut c_void,
-    pub y: *mut c_void,
-    pub dy: *mut c_void,
-    pub dx: *mut c_void,
-    pub dz: *mut c_void,
+    pub copies: CopiesAt,
     pub dt: *mut c_void,
     pub ddt: *mut c_void,
     pub a: *mut f32,
-    pub d: *mut f32,
     pub dt_bias: *mut f32,
     pub da: *mut f32,
-    pub dd: *mut f32,
     pub ddt_bias: *mut f32,
-    pub initial_states: *mut f32,
-    pub final_states: *mut f32,
-    pub dinitial_states: *mut f32,
-    pub dfinal_states: *mut f32,
-    pub chunk_states: *mut c_void,
 }
 
 impl HalvedState {
@@ -388,25 +382,13 @@ impl HalvedState {
         let p = &q.fwd;
         let at = |callers: *const c_void, offset: i64| in_workspace(callers, base, offset);
         HalvedState {
-            x: at(p.x, layout.x),
-            z: at(p.z, layout.z),
-            y: at(p.y, layout.y),
-            dy: at(q.dy, layout.dy),
-            dx: at(q.dx, layout.dx),
-            dz: at(q.dz, layout.dz),
+            copies: CopiesAt::carve(bwd, &layout.copies, base, true),
             dt: at(p.dt, layout.dt),
             ddt: at(q.ddt, layout.ddt),
             a: at(p.a.cast(), layout.a).cast(),
-            d: at(p.d.cast(), layout.d).cast(),
             dt_bias: at(p.dt_bias.cast(), layout.dt_bias).cast(),
             da: at(q.da.cast(), layout.da).cast(),
-            dd: at(q.dd.cast(), layout.dd).cast(),
             ddt_bias: at(q.ddt_bias.cast(), layout.ddt_bias).cast(),
-            initial_states: at(p.initial_states.cast(), layout.initial_states).cast(),
-            final_states: at(p.final_states.cast(), layout.final_states).cast(),
-            dinitial_states: at(q.dinitial_states.cast(), layout.dinitial_states).cast(),
-            dfinal_states: at(q.dfinal_states.cast(), layout.dfinal_states).cast(),
-            chunk_states: at(p.chunk_states, layout.chunk_states),
         }
     }
 }
@@ -715,71 +697,58 @@ impl SsdBwd {
         SsdBwd { params, ..*self }
     }
 
-    /// This call with its state's two halves run as twice the groups and heads
-    /// ([`plan::StateHalves`]): every array but B, C, dB and dC is `halved`'s.
-    pub fn halve_state(&self, halved: &HalvedState) -> SsdBwd {
+    /// This call reading and writing its per-channel arrays where `copies` says (the caller's D and
+    /// dD where `copies` has none).
+    fn with_copies(&self, copies: &CopiesAt) -> SsdBwd {
         let q = &self.params;
         let p = &q.fwd;
+        let or_callers = |copy: *mut f32, callers: *const f32| if copy.is_null() { callers } else { copy };
         let fwd = SsdParams {
-            x: halved.x,
-            dt: halved.dt,
-            a: halved.a,
-            d: halved.d,
-            z: halved.z,
-            dt_bias: halved.dt_bias,
-            initial_states: halved.initial_states,
-            y: halved.y,
-            final_states: halved.final_states,
-            chunk_states: halved.chunk_states,
-            heads: p.heads * 2,
-            groups: p.groups * 2,
-            dstate: p.dstate / 2,
+            x: copies.x,
+            z: copies.z,
+            y: copies.y,
+            d: or_callers(copies.d, p.d),
+            initial_states: copies.initial_states,
+            final_states: copies.final_states,
+            chunk_states: copies.chunk_states,
             ..*p
         };
         let params = SsdBwdParams {
             fwd,
-            dy: halved.dy,
-            dfinal_states: halved.dfinal_states,
-            dx: halved.dx,
-            ddt: halved.ddt,
-            da: halved.da,
-            dd: halved.dd,
-            dz: halved.dz,
-            ddt_bias: halved.ddt_bias,
-            dinitial_states: halved.dinitial_states,
+            dy: copies.dy,
+            dfinal_states: copies.dfinal_states,
+            dx: copies.dx,
+            dd: or_callers(copies.dd, q.dd) as *mut f32,
+            dz: copies.dz,
+            dinitial_states: copies.dinitial_states,
             ..*q
         };
         SsdBwd { params, ..*self }
     }
 
+    /// This call with its state's two halves run as twice the groups and heads
+    /// ([`plan::StateHalves`]): every array but B, C, dB and dC is `halved`'s.
+    pub fn halve_state(&self, halved: &HalvedState) -> SsdBwd {
+        let mut bwd = self.with_copies(&halved.copies);
+        let q = &mut bwd.params;
+        q.fwd.dt = halved.dt;
+        q.fwd.a = halved.a;
+        q.fwd.dt_bias = halved.dt_bias;
+        q.fwd.heads *= 2;
+        q.fwd.groups *= 2;
+        q.fwd.dstate /= 2;
+        q.ddt = halved.ddt;
+        q.da = halved.da;
+        q.ddt_bias = halved.ddt_bias;
+        bwd
+    }
+
     /// This call with its heads widened to `padded.headdim` channels ([`plan::PadHeads`]): its
     /// per-channel arrays are `padded`'s (a per-head D and its gradient stay the caller's).
     pub fn pad_heads(&self, padded: &PaddedHeads) -> SsdBwd {
-        let q = &self.params;
-        let p = &q.fwd;
-        let or_callers = |padded: *mut f32, callers: *const f32| if padded.is_null() { callers } else { padded };
-        let fwd = SsdParams {
-            x: padded.x,
-            z: padded.z,
-            y: padded.y,
-            d: or_callers(padded.d, p.d),
-            initial_states: padded.initial_states,
-            final_states: padded.final_states,
-            chunk_states: padded.chunk_states,
-            headdim: padded.headdim,
-            ..*p
-        };
-        let params = SsdBwdParams {
-            fwd,
-            dy: padded.dy,
-            dfinal_states: padded.dfinal_states,
-            dx: padded.dx,
-            dd: or_callers(padded.dd, q.dd) as *mut f32,
-            dz: padded.dz,
-            dinitial_states: padded.dinitial_states,
-            ..*q
-        };
-        SsdBwd { params, ..*self }
+        let mut bwd = self.with_copies(&padded.copies);
+        bwd.params.fwd.headdim = padded.headdim;
+        bwd
     }
 
     /// This call on a state widened to `pad.dstate`: its state-sized arrays are `pad`'s.

@@ -341,7 +341,7 @@ impl MmaWorkspace {
 }
 
 /// Where a call whose dstate is not one of [`MMA_DSTATES`] keeps its state-sized arrays widened to
-/// the kernels' dstate with zero columns (kernels/ssd_glue.cu, `pad_rows`), at the workspace's start:
+/// the kernels' dstate with zero columns (kernels/ssd_glue.cu, `gather`), at the workspace's start:
 /// B and C, the initial and final states and chunk_states; in the backward also dB, dC and the
 /// states' gradients. All empty (bytes 0) at the kernels' dstates.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -396,6 +396,70 @@ impl PadState {
     }
 }
 
+/// A stage's copies of the call's per-channel arrays for the call it makes (`s`: that call's heads,
+/// headdim and dstate), one after another from a [`Carver`]. Empty where the pass has no such array.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Copies {
+    /// (batch, seqlen, heads, headdim) T each: x and z, then y (forward) or dy, dx and dz (backward).
+    pub x: i64,
+    pub z: i64,
+    pub y: i64,
+    pub dy: i64,
+    pub dx: i64,
+    pub dz: i64,
+    /// (heads, headdim) f32: D (either of its shapes); backward also its gradient.
+    pub d: i64,
+    pub dd: i64,
+    /// (state rows, heads, headdim, dstate) f32 each: the initial states, then the final states
+    /// (forward) or the states' gradients (backward).
+    pub initial_states: i64,
+    pub final_states: i64,
+    pub dinitial_states: i64,
+    pub dfinal_states: i64,
+    /// (batch, heads, headdim, n_chunks, dstate) T.
+    pub chunk_states: i64,
+}
+
+/// `bytes` in the pass that has the array, else 0.
+fn in_pass(bytes: i64, backward: bool, wanted_backward: bool) -> i64 {
+    if backward == wanted_backward {
+        bytes
+    } else {
+        0
+    }
+}
+
+impl Copies {
+    fn carve(c: &mut Carver, s: &Shape, state_rows: i64, backward: bool) -> Copies {
+        let (fwd_only, bwd_only) = (|b: i64| in_pass(b, backward, false), |b: i64| in_pass(b, backward, true));
+        let per_step = s.batch * s.seqlen * s.heads * s.headdim * s.elem_bytes;
+        let d = s.heads * s.headdim * 4;
+        let states = state_rows * s.heads * s.headdim * s.dstate * 4;
+        let chunks = s.batch * s.heads * s.headdim * n_chunks(s.seqlen, s.chunk_size) * s.dstate * s.elem_bytes;
+        let (x, z, y) = (c.take(per_step), c.take(per_step), c.take(fwd_only(per_step)));
+        let (dy, dx, dz) = (c.take(bwd_only(per_step)), c.take(bwd_only(per_step)), c.take(bwd_only(per_step)));
+        let (d, dd) = (c.take(d), c.take(bwd_only(d)));
+        let (initial_states, final_states) = (c.take(states), c.take(fwd_only(states)));
+        let (dinitial_states, dfinal_states) = (c.take(bwd_only(states)), c.take(bwd_only(states)));
+        let chunk_states = c.take(chunks);
+        Copies {
+            x,
+            z,
+            y,
+            dy,
+            dx,
+            dz,
+            d,
+            dd,
+            initial_states,
+            final_states,
+            dinitial_states,
+            dfinal_states,
+            chunk_states,
+        }
+    }
+}
+
 /// Where a call whose widened state is two halves of the kernels' largest dstate keeps the arrays of
 /// the call the kernels run instead (kernels/ssd_glue.cu, `gather`; offsets from
 /// [`MmaWorkspace`]'s `halves_at`). The state's columns split as n = half * 128 + m, so B and C
@@ -409,32 +473,16 @@ impl PadState {
 pub struct StateHalves {
     /// 2, or 1 where nothing is halved.
     pub halves: i64,
-    /// (batch, seqlen, 2 * heads, headdim) T each: x and z, then y (forward) or dy, dx and dz
-    /// (backward).
-    pub x: i64,
-    pub z: i64,
-    pub y: i64,
-    pub dy: i64,
-    pub dx: i64,
-    pub dz: i64,
+    /// At 2 * heads and dstate 128.
+    pub copies: Copies,
     /// (batch, seqlen, 2 * heads) T: dt; backward also ddt.
     pub dt: i64,
     pub ddt: i64,
-    /// (2 * heads) f32: A and dt_bias; (2 * heads, headdim) f32: D, either of its shapes. Backward
-    /// also their gradients.
+    /// (2 * heads) f32: A and dt_bias; backward also their gradients.
     pub a: i64,
-    pub d: i64,
     pub dt_bias: i64,
     pub da: i64,
-    pub dd: i64,
     pub ddt_bias: i64,
-    /// (state rows, 2 * heads, headdim, 128) f32 each.
-    pub initial_states: i64,
-    pub final_states: i64,
-    pub dinitial_states: i64,
-    pub dfinal_states: i64,
-    /// (batch, 2 * heads, headdim, n_chunks, 128) T.
-    pub chunk_states: i64,
     /// The arrays' extent, a multiple of ALIGN.
     pub bytes: i64,
 }
@@ -445,46 +493,15 @@ impl StateHalves {
         if halves == 1 {
             return StateHalves { halves, ..StateHalves::default() };
         }
-        let (heads, n) = (s.heads * halves, MMA_LARGEST_DSTATE);
-        let per_step = s.batch * s.seqlen * heads * s.headdim * s.elem_bytes;
-        let dt = s.batch * s.seqlen * heads * s.elem_bytes;
-        let (per_head, per_channel) = (heads * 4, heads * s.headdim * 4);
-        let states = state_rows * heads * s.headdim * n * 4;
-        let chunks = s.batch * heads * s.headdim * n_chunks(s.seqlen, s.chunk_size) * n * s.elem_bytes;
-        let (fwd_only, bwd_only) = (|b: i64| if backward { 0 } else { b }, |b: i64| if backward { b } else { 0 });
+        let heads = s.heads * halves;
+        let bwd_only = |b: i64| in_pass(b, backward, true);
         let mut c = Carver::default();
-        let (x, z, y) = (c.take(per_step), c.take(per_step), c.take(fwd_only(per_step)));
-        let (dy, dx, dz) = (c.take(bwd_only(per_step)), c.take(bwd_only(per_step)), c.take(bwd_only(per_step)));
-        let (dt, ddt) = (c.take(dt), c.take(bwd_only(dt)));
-        let (a, d, dt_bias) = (c.take(per_head), c.take(per_channel), c.take(per_head));
-        let (da, dd, ddt_bias) =
-            (c.take(bwd_only(per_head)), c.take(bwd_only(per_channel)), c.take(bwd_only(per_head)));
-        let (initial_states, final_states) = (c.take(states), c.take(fwd_only(states)));
-        let (dinitial_states, dfinal_states) = (c.take(bwd_only(states)), c.take(bwd_only(states)));
-        let chunk_states = c.take(chunks);
-        StateHalves {
-            halves,
-            x,
-            z,
-            y,
-            dy,
-            dx,
-            dz,
-            dt,
-            ddt,
-            a,
-            d,
-            dt_bias,
-            da,
-            dd,
-            ddt_bias,
-            initial_states,
-            final_states,
-            dinitial_states,
-            dfinal_states,
-            chunk_states,
-            bytes: c.next,
-        }
+        let copies = Copies::carve(&mut c, &Shape { heads, dstate: MMA_LARGEST_DSTATE, ..*s }, state_rows, backward);
+        let (dt_bytes, per_head) = (s.batch * s.seqlen * heads * s.elem_bytes, heads * 4);
+        let (dt, ddt) = (c.take(dt_bytes), c.take(bwd_only(dt_bytes)));
+        let (a, dt_bias) = (c.take(per_head), c.take(per_head));
+        let (da, ddt_bias) = (c.take(bwd_only(per_head)), c.take(bwd_only(per_head)));
+        StateHalves { halves, copies, dt, ddt, a, dt_bias, da, ddt_bias, bytes: c.next }
     }
 }
 
@@ -498,23 +515,8 @@ impl StateHalves {
 pub struct PadHeads {
     /// The widened headdim.
     pub headdim: i64,
-    /// (batch, seqlen, heads, headdim) T each: x and z, then y (forward) or dy, dx and dz (backward).
-    pub x: i64,
-    pub z: i64,
-    pub y: i64,
-    pub dy: i64,
-    pub dx: i64,
-    pub dz: i64,
-    /// (heads, headdim) f32: a D per channel; backward also its gradient.
-    pub d: i64,
-    pub dd: i64,
-    /// (state rows, heads, headdim, dstate) f32 each.
-    pub initial_states: i64,
-    pub final_states: i64,
-    pub dinitial_states: i64,
-    pub dfinal_states: i64,
-    /// (batch, heads, headdim, n_chunks, dstate) T.
-    pub chunk_states: i64,
+    /// At the widened headdim (D only where it is per channel).
+    pub copies: Copies,
     /// The arrays' extent, a multiple of ALIGN.
     pub bytes: i64,
 }
@@ -526,36 +528,9 @@ impl PadHeads {
         if headdim == s.headdim {
             return PadHeads { headdim, ..PadHeads::default() };
         }
-        let n = s.dstate;
-        let per_step = s.batch * s.seqlen * s.heads * headdim * s.elem_bytes;
-        let d = s.heads * headdim * 4;
-        let states = state_rows * s.heads * headdim * n * 4;
-        let chunks = s.batch * s.heads * headdim * n_chunks(s.seqlen, s.chunk_size) * n * s.elem_bytes;
-        let (fwd_only, bwd_only) = (|b: i64| if backward { 0 } else { b }, |b: i64| if backward { b } else { 0 });
         let mut c = Carver::default();
-        let (x, z, y) = (c.take(per_step), c.take(per_step), c.take(fwd_only(per_step)));
-        let (dy, dx, dz) = (c.take(bwd_only(per_step)), c.take(bwd_only(per_step)), c.take(bwd_only(per_step)));
-        let (d, dd) = (c.take(d), c.take(bwd_only(d)));
-        let (initial_states, final_states) = (c.take(states), c.take(fwd_only(states)));
-        let (dinitial_states, dfinal_states) = (c.take(bwd_only(states)), c.take(bwd_only(states)));
-        let chunk_states = c.take(chunks);
-        PadHeads {
-            headdim,
-            x,
-            z,
-            y,
-            dy,
-            dx,
-            dz,
-            d,
-            dd,
-            initial_states,
-            final_states,
-            dinitial_states,
-            dfinal_states,
-            chunk_states,
-            bytes: c.next,
-        }
+        let copies = Copies::carve(&mut c, &Shape { headdim, ..*s }, state_rows, backward);
+        PadHeads { headdim, copies, bytes: c.next }
     }
 }
 
@@ -1133,25 +1108,25 @@ mod tests {
             let l = StateHalves::new(&s, s.batch, backward);
             let (f, b) = if backward { (0, 1) } else { (1, 0) };
             let spans = [
-                (l.x, per_step),
-                (l.z, per_step),
-                (l.y, f * per_step),
-                (l.dy, b * per_step),
-                (l.dx, b * per_step),
-                (l.dz, b * per_step),
+                (l.copies.x, per_step),
+                (l.copies.z, per_step),
+                (l.copies.y, f * per_step),
+                (l.copies.dy, b * per_step),
+                (l.copies.dx, b * per_step),
+                (l.copies.dz, b * per_step),
                 (l.dt, dt),
                 (l.ddt, b * dt),
                 (l.a, per_head),
-                (l.d, d),
+                (l.copies.d, d),
                 (l.dt_bias, per_head),
                 (l.da, b * per_head),
-                (l.dd, b * d),
+                (l.copies.dd, b * d),
                 (l.ddt_bias, b * per_head),
-                (l.initial_states, states),
-                (l.final_states, f * states),
-                (l.dinitial_states, b * states),
-                (l.dfinal_states, b * states),
-                (l.chunk_states, chunks),
+                (l.copies.initial_states, states),
+                (l.copies.final_states, f * states),
+                (l.copies.dinitial_states, b * states),
+                (l.copies.dfinal_states, b * states),
+                (l.copies.chunk_states, chunks),
             ];
             assert_aligned_and_disjoint(&spans, l.bytes);
             assert_eq!(l.bytes, spans.iter().map(|&(_, len)| (len + ALIGN - 1) / ALIGN * ALIGN).sum::<i64>());
@@ -1168,7 +1143,7 @@ mod tests {
         let packed = Shape { batch: 1, seqlen: 3000, ..s };
         let five = MmaWorkspace::packed(&packed, 5);
         assert_eq!(five.halves, StateHalves::new(&packed, 5, false));
-        assert_eq!(five.halves.final_states - five.halves.initial_states, 5 * 128 * 64 * 128 * 4);
+        assert_eq!(five.halves.copies.final_states - five.halves.copies.initial_states, 5 * 128 * 64 * 128 * 4);
     }
 
     #[test]
@@ -1189,19 +1164,19 @@ mod tests {
             let l = PadHeads::new(&s, s.batch, backward);
             let (f, b) = if backward { (0, 1) } else { (1, 0) };
             let spans = [
-                (l.x, per_step),
-                (l.z, per_step),
-                (l.y, f * per_step),
-                (l.dy, b * per_step),
-                (l.dx, b * per_step),
-                (l.dz, b * per_step),
-                (l.d, d),
-                (l.dd, b * d),
-                (l.initial_states, states),
-                (l.final_states, f * states),
-                (l.dinitial_states, b * states),
-                (l.dfinal_states, b * states),
-                (l.chunk_states, chunks),
+                (l.copies.x, per_step),
+                (l.copies.z, per_step),
+                (l.copies.y, f * per_step),
+                (l.copies.dy, b * per_step),
+                (l.copies.dx, b * per_step),
+                (l.copies.dz, b * per_step),
+                (l.copies.d, d),
+                (l.copies.dd, b * d),
+                (l.copies.initial_states, states),
+                (l.copies.final_states, f * states),
+                (l.copies.dinitial_states, b * states),
+                (l.copies.dfinal_states, b * states),
+                (l.copies.chunk_states, chunks),
             ];
             assert_aligned_and_disjoint(&spans, l.bytes);
             assert_eq!(l.bytes, spans.iter().map(|&(_, len)| (len + ALIGN - 1) / ALIGN * ALIGN).sum::<i64>());
@@ -1216,7 +1191,7 @@ mod tests {
         }
         // The states of a widened dstate under 128: the kernels' dstate.
         let small = PadHeads::new(&Shape { dstate: 64, ..s }, 8, false);
-        assert_eq!(small.final_states - small.initial_states, 8 * 128 * 64 * 64 * 4);
+        assert_eq!(small.copies.final_states - small.copies.initial_states, 8 * 128 * 64 * 64 * 4);
     }
 
     /// The workspace functions size for the path that runs: where the tensor-core kernels apply the
